@@ -1,0 +1,5 @@
+import sys
+
+from memstudy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,181 @@
+"""Run configuration: small dataclasses, loaded from TOML or CLI flags, validated up front.
+
+A resolved config (techniques in canonical form, defaults filled in) is what gets hashed
+and stored with every result, so a result always says exactly what was measured.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memstudy.datasets import DataConfig
+from memstudy.errors import ConfigError
+from memstudy.units import parse_bytes
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    image_size: int = 256
+    batch_size: int = 1
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many optimizer steps (all epochs together)
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    weight_decay: float = 0.0
+    seed: int = 0
+    device: str = "auto"  # auto: cuda if available, else cpu; "cuda:1" picks a GPU
+    warmup_steps: int = 1  # run but never measured: allocator warm-up, cuDNN autotuning, lazy state
+    measure_steps: int = 3  # steps after warm-up measured phase by phase
+    msssim_scales: int = 5  # MS-SSIM scales; decides the smallest trainable image
+    validate: bool = True
+
+    def check(self) -> None:
+        positive = ("image_size", "batch_size", "epochs", "measure_steps", "msssim_scales")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"train.max_steps must be >= 1 or unset (got {self.max_steps})")
+        if self.image_size % 32:
+            lo, hi = self.image_size // 32 * 32, self.image_size // 32 * 32 + 32
+            raise ConfigError(f"train.image_size {self.image_size} is not a multiple of 32, which "
+                              f"the U-Net's five down-samplings need; use {lo or 32} or {hi}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer {self.optimizer!r} unknown; choose one of {OPTIMIZERS}")
+        if self.device.split(":")[0] not in DEVICES:
+            raise ConfigError(f"train.device {self.device!r} unknown; use auto, cpu, cuda or cuda:N")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be > 0 (got {self.lr})")
+        if not 1 <= self.msssim_scales <= 5:
+            raise ConfigError(f"train.msssim_scales must be 1..5 (got {self.msssim_scales})")
+
+
+@dataclass
+class MeterConfig:
+    tensor: str = "auto"  # tensor-level meter: auto = on for the CPU, off on a GPU (it costs time)
+    nvml: bool = True  # sample NVML device memory during phases (GPU only)
+    nvml_interval_ms: float = 2.0
+
+    def check(self) -> None:
+        if self.tensor not in ("auto", "on", "off"):
+            raise ConfigError(f"meter.tensor must be auto, on or off (got {self.tensor!r})")
+        if self.nvml_interval_ms <= 0:
+            raise ConfigError("meter.nvml_interval_ms must be > 0")
+
+
+@dataclass
+class RunConfig:
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    meter: MeterConfig = field(default_factory=MeterConfig)
+    techniques: list[str] = field(default_factory=list)  # e.g. ["amp:bf16", "checkpoint:block"]
+    encoder_weights: str | None = None  # local ImageNet ResNet-34 state_dict; nothing downloaded
+    budget: str | None = None  # cap on device memory, e.g. "8GiB" (CUDA context included)
+    world_size: int = 1  # processes launched by `memstudy run` for distributed techniques
+    label: str | None = None  # free text for reports; not part of the config hash
+
+    def check(self) -> None:
+        self.train.check()
+        self.meter.check()
+        try:
+            self.data.validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.budget is not None:
+            try:
+                parse_bytes(self.budget, "budget")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        if self.world_size < 1:
+            raise ConfigError(f"world_size must be >= 1 (got {self.world_size})")
+        if self.encoder_weights and not Path(self.encoder_weights).is_file():
+            raise ConfigError(f"encoder_weights file {self.encoder_weights!r} not found")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """Identity of what is measured: everything but the free-text label."""
+        d = self.to_dict()
+        d.pop("label")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_SECTIONS = {"train": TrainConfig, "data": DataConfig, "meter": MeterConfig}
+
+
+def from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from nested dicts, refusing unknown keys by name."""
+    top = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = set(raw) - top
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {sorted(unknown)}; valid: {sorted(top)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _SECTIONS:
+            kwargs[key] = _section(key, _SECTIONS[key], value)
+        else:
+            kwargs[key] = value
+    cfg = RunConfig(**kwargs)
+    if isinstance(cfg.techniques, str):
+        cfg.techniques = split_techniques(cfg.techniques)
+    return cfg
+
+
+def _section(name: str, cls: type, value: Any) -> Any:
+    if not isinstance(value, dict):
+        raise ConfigError(f"[{name}] must be a table of settings")
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(value) - valid
+    if unknown:
+        raise ConfigError(f"unknown key(s) {sorted(unknown)} in [{name}]; valid: {sorted(valid)}")
+    return cls(**value)
+
+
+def load_toml(path: str | Path) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return from_dict(raw)
+
+
+def set_value(cfg: RunConfig, assignment: str) -> None:
+    """Apply one `section.key=value` override (value parsed as TOML, else kept as a string)."""
+    key, sep, text = assignment.partition("=")
+    if not sep:
+        raise ConfigError(f"--set {assignment!r}: write section.key=value, e.g. train.lr=1e-4")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    *path, leaf = key.strip().split(".")
+    target: Any = cfg
+    for part in path:
+        if not hasattr(target, part):
+            raise ConfigError(f"--set {key}: no config section {part!r}")
+        target = getattr(target, part)
+    if not dataclasses.is_dataclass(target) or leaf not in {f.name for f in dataclasses.fields(target)}:
+        raise ConfigError(f"--set {key}: no such setting")
+    if leaf == "techniques" and isinstance(value, str):
+        value = split_techniques(value)
+    setattr(target, leaf, value)
+
+
+def split_techniques(text: str) -> list[str]:
+    """'amp:bf16,checkpoint:block' -> ['amp:bf16', 'checkpoint:block'] ('' or 'none' -> [])."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    return [] if parts in ([], ["none"], ["original"]) else parts

@@ -1,0 +1,43 @@
+"""The environment a result was measured in, stored beside every run."""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+
+import torch
+
+
+def describe(device: torch.device) -> dict[str, object]:
+    env: dict[str, object] = {
+        "host": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "device": str(device),
+        "num_threads": torch.get_num_threads(),
+    }
+    for pkg in ("segmentation_models_pytorch", "pytorch_msssim", "momentumnet", "triton"):
+        mod = sys.modules.get(pkg)
+        env[pkg] = getattr(mod, "__version__", None) if mod else None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu_name=props.name, gpu_total_bytes=props.total_memory,
+                   gpu_capability=f"{props.major}.{props.minor}", gpu_count=torch.cuda.device_count(),
+                   driver=_driver_version())
+    return env
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else version
+    except Exception:  # noqa: BLE001 - the driver version is informative, never required
+        return None

@@ -1,0 +1,57 @@
+"""Device-level used memory from NVML, the source study's own measure.
+
+NVML's "used" counts everything on the GPU: the CUDA context, the caching allocator's
+reserved blocks, cuDNN/cuBLAS workspaces and other processes. A background thread polls
+it while a measured phase runs; `phase_start`/`phase_end` take a sample synchronously,
+so even a phase shorter than the interval has two samples.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+
+class NvmlSampler:
+    def __init__(self, device: torch.device, interval_s: float):
+        import pynvml  # noqa: F401 - fail here, clearly, if nvidia-ml-py is missing
+
+        self.device = device
+        self.interval_s = interval_s
+        self.peak = 0
+        self.samples = 0
+        self._active = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="memstudy-nvml", daemon=True)
+        self.sample()  # fails now if NVML cannot see the device
+        self._thread.start()
+
+    def sample(self) -> int:
+        used = torch.cuda.device_memory_used(self.device)  # NVML, with CUDA_VISIBLE_DEVICES mapped
+        self.samples += 1
+        if used > self.peak:
+            self.peak = used
+        return used
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if self._active.wait(timeout=0.1) and not self._stop.is_set():
+                self.sample()
+                time.sleep(self.interval_s)
+
+    def phase_start(self) -> int:
+        self.peak = 0
+        used = self.sample()
+        self._active.set()
+        return used
+
+    def phase_end(self) -> int:
+        self._active.clear()
+        self.sample()
+        return self.peak
+
+    def close(self) -> None:
+        self._stop.set()
+        self._active.set()
+        self._thread.join(timeout=1)

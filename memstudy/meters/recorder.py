@@ -1,0 +1,213 @@
+"""Per-phase measurement of a training step: time, allocator, NVML, tensor meter, categories.
+
+Phases are forward (model + loss), backward, step (optimizer step and zero_grad) and
+validation. Every phase is timed with the device synchronised before each clock read.
+Memory is measured only on "measured" steps (after warm-up), which also turn on the
+saved-tensor observer and, where enabled, the tensor meter; the remaining steps give the
+unmetered step time, so every run reports the meters' own overhead. docs/metrics.md
+defines each figure.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections import defaultdict
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from memstudy.config import MeterConfig
+from memstudy.meters.nvml import NvmlSampler
+from memstudy.meters.tensor import LiveTensorMeter, storage_key, unique_storage_bytes
+from memstudy.runtime import Runtime
+
+PHASES = ("forward", "backward", "step", "validation")
+TIME_FIGURES = {"time_s"}
+
+
+class PhaseRecorder:
+    def __init__(self, device: torch.device, model: nn.Module, runtime: Runtime,
+                 optimizer: Callable[[], torch.optim.Optimizer | None], cfg: MeterConfig,
+                 cpu_limit_bytes: int | None = None):
+        self.device, self.model, self.runtime, self.optimizer = device, model, runtime, optimizer
+        self.cuda = device.type == "cuda"
+        self.tensor_meter_on = cfg.tensor == "on" or (cfg.tensor == "auto" and not self.cuda)
+        self.nvml = NvmlSampler(device, cfg.nvml_interval_ms / 1e3) if self.cuda and cfg.nvml else None
+        self.measured: dict[str, list[dict[str, float]]] = defaultdict(list)
+        self.unmeasured_times: dict[str, list[float]] = defaultdict(list)
+        self.step_times: dict[bool, list[float]] = {True: [], False: []}  # by measured or not
+        self._measuring = False
+        self._saved: dict[tuple[str, int], tuple[int, Any, torch.device]] = {}
+        self._meter: LiveTensorMeter | None = None
+        # On the CPU a memory budget is enforced by a tensor meter that stays on for every step.
+        self._budget_meter = (LiveTensorMeter(cpu_limit_bytes, self._persistent_bytes())
+                              if cpu_limit_bytes is not None and not self.cuda else None)
+
+    # -- step and phase contexts ----------------------------------------------------------
+    @contextmanager
+    def step(self, measured: bool, timed: bool = True) -> Iterator[None]:
+        """One training step (or, with timed=False, a validation pass) whose phases are measured
+        if `measured`; the tensor meter's baseline is the persistent state already alive."""
+        with ExitStack() as stack:
+            meter = self._budget_meter
+            if measured and meter is None and self.tensor_meter_on:
+                meter = LiveTensorMeter(baseline_bytes=self._persistent_bytes())
+            if meter is not None:
+                stack.enter_context(meter)
+            self._meter = meter
+            if measured:
+                self._saved = {}
+                self.runtime.saved_tensor_observers.append(self._observe_saved)
+                stack.callback(self.runtime.saved_tensor_observers.remove, self._observe_saved)
+            self._measuring = measured
+            self._sync()
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._measuring = False
+            self._sync()
+            if timed:
+                self.step_times[measured].append(time.perf_counter() - t0)
+
+    @contextmanager
+    def phase(self, name: str, measure: bool | None = None) -> Iterator[None]:
+        """A timed phase; memory is measured inside measured steps, or when `measure` says so."""
+        measuring = self._measuring if measure is None else measure
+        rec: dict[str, float] = {}
+        self._sync()
+        if measuring:
+            self._before(rec)
+        t0 = time.perf_counter()
+        yield
+        self._sync()
+        elapsed = time.perf_counter() - t0
+        if measuring:
+            rec["time_s"] = elapsed
+            self._after(name, rec)
+            self.measured[name].append(rec)
+        else:
+            self.unmeasured_times[name].append(elapsed)
+
+    def close(self) -> None:
+        if self.nvml is not None:
+            self.nvml.close()
+
+    # -- measurement ------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _before(self, rec: dict[str, float]) -> None:
+        if self.cuda:
+            rec["alloc_start_bytes"] = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.nvml is not None:
+            rec["nvml_start_bytes"] = self.nvml.phase_start()
+        if self._meter is not None:
+            self._meter.reset_peak()
+            rec["tensor_start_bytes"] = self._meter.current
+
+    def _after(self, name: str, rec: dict[str, float]) -> None:
+        if self.cuda:
+            start = rec["alloc_start_bytes"]
+            rec["alloc_peak_bytes"] = torch.cuda.max_memory_allocated(self.device) - start
+            rec["alloc_held_bytes"] = torch.cuda.memory_allocated(self.device) - start
+            rec["reserved_peak_bytes"] = torch.cuda.max_memory_reserved(self.device)
+        if self.nvml is not None:
+            rec["nvml_peak_bytes"] = self.nvml.phase_end()
+            rec["nvml_delta_bytes"] = rec["nvml_peak_bytes"] - rec["nvml_start_bytes"]
+        if self._meter is not None:
+            start = rec["tensor_start_bytes"]
+            rec["tensor_peak_bytes"] = self._meter.peak - start
+            rec["tensor_held_bytes"] = self._meter.current - start
+        rec.update(self._categories())
+        if name == "forward":
+            rec["saved_bytes"] = rec["cat_saved_bytes"]
+            rec["saved_host_bytes"] = self._saved_bytes(on_device=False)
+
+    def _observe_saved(self, packed: Any) -> None:
+        """Saved-tensor observer: remembers each distinct storage kept for backward."""
+        if isinstance(packed, torch.Tensor):
+            storage = packed.untyped_storage()
+            self._saved.setdefault(storage_key(packed), (storage.nbytes(), weakref.ref(storage), packed.device))
+
+    def _saved_bytes(self, on_device: bool) -> int:
+        params = self._param_keys()
+        total = 0
+        for key, (nbytes, ref, device) in self._saved.items():
+            here = device.type == self.device.type
+            if ref() is not None and key not in params and here == on_device:
+                total += nbytes
+        return total
+
+    def _param_keys(self) -> set[tuple[str, int]]:
+        return {storage_key(t) for t in _param_tensors(self.model)}
+
+    def _persistent_bytes(self) -> int:
+        """Parameters, buffers, gradients and optimizer state alive now."""
+        return unique_storage_bytes([*_param_tensors(self.model), *self._grads(), *self._opt_state()])
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def _opt_state(self) -> list[torch.Tensor]:
+        opt = self.optimizer()
+        return [v for s in (opt.state.values() if opt is not None else []) for v in s.values()
+                if isinstance(v, torch.Tensor) and v.device.type == self.device.type]
+
+    def _categories(self) -> dict[str, float]:
+        """Live bytes at the end of the phase by category; 'other' is what none of them explain."""
+        cats = {"cat_params_bytes": unique_storage_bytes(_param_tensors(self.model)),
+                "cat_grads_bytes": unique_storage_bytes(self._grads()),
+                "cat_optimizer_bytes": unique_storage_bytes(self._opt_state()),
+                "cat_saved_bytes": self._saved_bytes(on_device=True)}
+        live = (torch.cuda.memory_allocated(self.device) if self.cuda
+                else self._meter.current if self._meter is not None else None)
+        if live is not None:
+            cats["cat_other_bytes"] = live - sum(cats.values())
+        return cats
+
+    # -- summary ------------------------------------------------------------------------------
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per phase: memory figures as the maximum over measured steps, times as medians."""
+        out: dict[str, dict[str, float]] = {}
+        for phase, recs in self.measured.items():
+            keys = recs[0].keys()
+            out[phase] = {k: (statistics.median if k in TIME_FIGURES else max)(r[k] for r in recs)
+                          for k in keys}
+            out[phase]["measured_steps"] = len(recs)
+        for phase, times in self.unmeasured_times.items():
+            out.setdefault(phase, {})["unmetered_time_s"] = statistics.median(times)
+        out["run"] = self._step_summary()
+        return out
+
+    def _step_summary(self) -> dict[str, float]:
+        """Step time unmetered (if any step ran without meters) and metered, and the overhead."""
+        metered, plain = self.step_times[True], self.step_times[False]
+        run: dict[str, float] = {}
+        if metered:
+            run["metered_step_time_s"] = statistics.median(metered)
+        if plain:
+            run["step_time_s"] = statistics.median(plain)
+        elif metered:
+            run["step_time_s"] = run["metered_step_time_s"]
+        if metered and plain:
+            run["meter_overhead"] = run["metered_step_time_s"] / run["step_time_s"] - 1
+        peaks = [r.get("alloc_start_bytes", 0) + r["alloc_peak_bytes"]
+                 for recs in self.measured.values() for r in recs if "alloc_peak_bytes" in r]
+        if peaks:
+            run["alloc_peak_total_bytes"] = max(peaks)
+        nvml = [r["nvml_peak_bytes"] for recs in self.measured.values() for r in recs
+                if "nvml_peak_bytes" in r]
+        if nvml:
+            run["nvml_peak_total_bytes"] = max(nvml)
+        return run
+
+
+def _param_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()

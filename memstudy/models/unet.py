@@ -1,0 +1,90 @@
+"""The study's network: segmentation-models-pytorch U-Net with a ResNet-34 encoder.
+
+One grey input channel, one output channel squashed to [0, 1] by a sigmoid. ImageNet
+weights come only from a local file (nothing is downloaded); the first convolution's
+three RGB filters are summed into one grey filter, as the source study did.
+
+The model holds no technique code. It names its parts so techniques can act per block:
+`encoder_stages` (stem, layer1..layer4), `residual_stages` (layer1..layer4, each a
+Sequential of BasicBlocks) and `decoder_blocks`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import segmentation_models_pytorch as smp
+import torch
+from torch import nn
+
+from memstudy.errors import ConfigError
+
+ENCODER = "resnet34"
+
+
+class ContrastUNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = smp.Unet(ENCODER, encoder_weights=None, in_channels=1, classes=1,
+                            activation="sigmoid")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @property
+    def encoder(self) -> nn.Module:
+        return self.net.encoder
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.net.decoder
+
+    @property
+    def head(self) -> nn.Module:
+        return self.net.segmentation_head
+
+    @property
+    def residual_stage_names(self) -> list[str]:
+        return ["layer1", "layer2", "layer3", "layer4"]
+
+    @property
+    def residual_stages(self) -> list[nn.Sequential]:
+        return [getattr(self.encoder, n) for n in self.residual_stage_names]
+
+    @property
+    def encoder_stages(self) -> list[nn.Module]:
+        e = self.encoder
+        return [nn.ModuleList([e.conv1, e.bn1, e.relu]), e.maxpool, *self.residual_stages]
+
+    @property
+    def decoder_blocks(self) -> list[nn.Module]:
+        return list(self.decoder.blocks)
+
+
+def build_unet(encoder_weights: str | None = None, seed: int = 0) -> ContrastUNet:
+    """Fresh model, initialised from `seed` (so every technique starts from the same weights)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = ContrastUNet()
+    if encoder_weights:
+        load_encoder_weights(model, encoder_weights)
+    return model
+
+
+def load_encoder_weights(model: ContrastUNet, path: str | Path) -> None:
+    """Load a torchvision-style ResNet-34 state_dict, RGB first conv summed to grey."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        raise ConfigError(f"encoder_weights {str(path)!r} is not a readable torch state_dict: "
+                          f"{exc}") from None
+    state = {k: v for k, v in state.items() if not k.startswith("fc.")}
+    conv1 = state.get("conv1.weight")
+    if conv1 is None or conv1.ndim != 4:
+        raise ConfigError(f"encoder_weights {str(path)!r} has no ResNet conv1.weight")
+    if conv1.shape[1] == 3:
+        state["conv1.weight"] = conv1.sum(dim=1, keepdim=True)
+    missing, unexpected = model.encoder.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"encoder_weights {str(path)!r} does not match ResNet-34: missing "
+                          f"{missing[:3]}..., unexpected {unexpected[:3]}...")

@@ -1,0 +1,61 @@
+"""Loss and image-quality figures: 1 - MS-SSIM for training, plus SSIM and PSNR for validation.
+
+All images are in [0, 1] (data_range = 1). The loss is computed in float32 outside
+autocast: MS-SSIM's products of small variances underflow in float16.
+"""
+from __future__ import annotations
+
+import torch
+from pytorch_msssim import ms_ssim, ssim
+
+from memstudy.errors import ConfigError
+
+WIN_SIZE = 11  # pytorch-msssim's default Gaussian window
+MSSSIM_WEIGHTS = (0.0448, 0.2856, 0.3001, 0.2363, 0.1333)  # Wang et al. 2003
+
+
+def msssim_weights(scales: int) -> list[float]:
+    w = MSSSIM_WEIGHTS[:scales]
+    return [x / sum(w) for x in w]
+
+
+def min_image_size(scales: int) -> int:
+    """pytorch-msssim needs the smaller side > (win - 1) * 2**(scales - 1)."""
+    return (WIN_SIZE - 1) * 2 ** (scales - 1) + 1
+
+
+def check_image_size(size: int, scales: int) -> None:
+    need = min_image_size(scales)
+    if size < need:
+        ok = -(-need // 32) * 32
+        raise ConfigError(f"train.image_size {size} is too small for MS-SSIM with {scales} scales "
+                          f"(window {WIN_SIZE}): the minimum is {need} px; use train.image_size "
+                          f">= {ok} or fewer train.msssim_scales")
+
+
+class MSSSIMLoss(torch.nn.Module):
+    def __init__(self, scales: int = 5):
+        super().__init__()
+        self.weights = msssim_weights(scales)
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(out.device.type, enabled=False):
+            return 1 - msssim(out.float(), target.float(), self.weights)
+
+
+def msssim(out: torch.Tensor, target: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    if len(weights) == 1:  # one scale is plain SSIM; pytorch-msssim's ms_ssim needs >= 2
+        return ssim(out, target, data_range=1.0, win_size=WIN_SIZE)
+    return ms_ssim(out, target, data_range=1.0, win_size=WIN_SIZE, weights=weights)
+
+
+@torch.no_grad()
+def quality(out: torch.Tensor, target: torch.Tensor, scales: int) -> dict[str, float]:
+    """Per-batch mean of the validation figures."""
+    out, target = out.float().clamp(0, 1), target.float()
+    mse = torch.mean((out - target) ** 2, dim=(1, 2, 3)).clamp_min(1e-12)
+    return {
+        "loss": float(1 - msssim(out, target, msssim_weights(scales))),
+        "ssim": float(ssim(out, target, data_range=1.0, win_size=WIN_SIZE)),
+        "psnr": float(torch.mean(10 * torch.log10(1.0 / mse))),
+    }

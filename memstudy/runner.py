@@ -1,0 +1,120 @@
+"""Run one configuration end to end and record it: `execute(config, db)`.
+
+Refusals (bad config, impossible technique combination, unreadable data) happen before
+anything is built and record nothing. Once training starts, every outcome is recorded in
+one transaction: ok, oom (with its phase), diverged (NaN / inf loss) or error.
+"""
+from __future__ import annotations
+
+import gc
+import random
+import sys
+import time
+import traceback
+from typing import Callable
+
+import numpy as np
+import torch
+
+from memstudy import env as envinfo
+from memstudy.config import RunConfig
+from memstudy.datasets import build_datasets
+from memstudy.errors import Diverged, PhaseFailure
+from memstudy.meters import PhaseRecorder
+from memstudy.store import ResultsDB, RunRecord
+from memstudy.techniques import canonical
+from memstudy.techniques.compose import build_pipeline, make_plan
+from memstudy.train import TrainState, train
+from memstudy.units import parse_bytes
+
+
+def run_name(config: RunConfig) -> str:
+    return "+".join(config.techniques) if config.techniques else "original"
+
+
+def resolved(config: RunConfig) -> RunConfig:
+    """The config with techniques in canonical form, so equal runs hash equal."""
+    config.techniques = canonical(config.techniques)
+    return config
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def execute(config: RunConfig, db: ResultsDB | None,
+            progress: Callable[[str], None] | None = None) -> RunRecord:
+    name = run_name(config)
+    plan = make_plan(config)  # raises ConfigError: nothing recorded
+    resolved(config)
+    train_set, val_set = build_datasets(config.data, config.train.image_size)  # raises on bad data
+    device = plan.device
+    record = RunRecord(config=config.to_dict(), config_hash=config.hash(), name=name, status="ok",
+                       env=envinfo.describe(device), started_at=time.time(), label=config.label)
+    record.env["seed"] = config.train.seed
+    seed_everything(config.train.seed)
+    state, recorder = TrainState(), None
+    try:
+        build = build_pipeline(plan)
+        record.env["parameters"] = sum(p.numel() for p in build.model.parameters())
+        cpu_limit = _cpu_budget(config) if device.type == "cpu" else None
+        recorder = PhaseRecorder(device, build.model, build.runtime, lambda: state.optimizer,
+                                 config.meter, cpu_limit_bytes=cpu_limit)
+        train(build, train_set, val_set, recorder, state, progress)
+    except PhaseFailure as failure:
+        oom = isinstance(failure.cause, torch.OutOfMemoryError)
+        record.status, record.failed_phase = ("oom" if oom else "error"), failure.phase
+        record.error = _describe(failure.cause)
+    except Diverged as div:
+        record.status, record.failed_phase, record.error = "diverged", div.phase, str(div)
+    except torch.OutOfMemoryError as exc:
+        record.status, record.failed_phase, record.error = "oom", "setup", _describe(exc)
+    except Exception as exc:  # noqa: BLE001 - recorded, then reported by the caller
+        record.status, record.failed_phase, record.error = "error", "setup", _describe(exc)
+    finally:
+        if recorder is not None:
+            recorder.close()
+    _fill(record, recorder, state, config)
+    if db is not None:
+        db.record(record)
+    _release(device)
+    return record
+
+
+def _cpu_budget(config: RunConfig) -> int | None:
+    return parse_bytes(config.budget, "budget") if config.budget else None
+
+
+def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
+          config: RunConfig) -> None:
+    record.finished_at = time.time()
+    record.epochs = state.epochs
+    record.series = state.series
+    if recorder is None:
+        return
+    summary = recorder.summary()
+    run = summary.setdefault("run", {})
+    run["steps"] = state.step
+    run["oom_retries"] = state.oom_retries
+    if "step_time_s" in run:
+        pixels = config.train.batch_size * config.train.image_size ** 2
+        run["throughput_px_s"] = pixels / run["step_time_s"]
+    record.metrics = [(0, phase, k, v) for phase, figs in summary.items() for k, v in figs.items()]
+
+
+def _describe(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)[-3:]
+    where = "; ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in tb)
+    return f"{type(exc).__name__}: {exc} [{where}]"
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def eprint(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

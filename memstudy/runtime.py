@@ -1,0 +1,89 @@
+"""Runtime policies of one training step: what techniques change without touching the model.
+
+The training loop calls `forward`, `backward` and `step` as three measured phases.
+Techniques add to the runtime: contexts entered around the forward (autocast),
+transforms of tensors saved for backward (offload), a gradient scaler, an optimizer
+factory (ZeRO), hooks after each step (controllers), and the current batch size.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+PackHook = Callable[[torch.Tensor], Any]
+UnpackHook = Callable[[Any], torch.Tensor]
+
+
+@dataclass
+class StepInfo:
+    step: int  # optimizer steps taken so far, this one included
+    epoch: int
+    loss: float
+    batch_size: int
+    optimizer: torch.optim.Optimizer
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    batch_size: int
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer]
+    forward_contexts: list[Callable[[], ContextManager]] = field(default_factory=list)
+    saved_tensor_transform: tuple[PackHook, UnpackHook] | None = None
+    saved_tensor_observers: list[Callable[[Any], None]] = field(default_factory=list)
+    scaler: Any = None  # torch.amp.GradScaler when float16 is in use
+    step_hooks: list[Callable[[StepInfo], None]] = field(default_factory=list)
+    # Called with the OutOfMemoryError of a failed training step; True means "handled, retry
+    # the step" (the elastic batch controller shrinks the batch). None: OOM ends the run.
+    oom_handler: Callable[[BaseException], bool] | None = None
+    input_device: torch.device | None = None  # where batches go (model parallel: first stage)
+    output_device: torch.device | None = None  # where targets go (model parallel: last stage)
+
+    def set_saved_tensor_transform(self, pack: PackHook, unpack: UnpackHook, owner: str) -> None:
+        if self.saved_tensor_transform is not None:
+            raise RuntimeError(f"{owner}: another technique already transforms saved tensors")
+        self.saved_tensor_transform = (pack, unpack)
+
+    def forward_context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for make in self.forward_contexts:
+            stack.enter_context(make())
+        hooks = self._saved_tensor_hooks()
+        if hooks is not None:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
+        return stack
+
+    def _saved_tensor_hooks(self) -> tuple[PackHook, UnpackHook] | None:
+        transform, observers = self.saved_tensor_transform, self.saved_tensor_observers
+        if transform is None and not observers:
+            return None  # no hooks at all: nothing added to the measured hot path
+        pack, unpack = transform or (lambda t: t, lambda t: t)
+
+        def observed_pack(tensor: torch.Tensor) -> Any:
+            packed = pack(tensor)
+            for observe in observers:
+                observe(packed)
+            return packed
+
+        return observed_pack, unpack
+
+    def forward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.forward_context():
+            out = model(x)
+            return self.loss_fn(out, y.to(out.device, non_blocking=True))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,166 @@
+"""Results database: one SQLite file, one transaction per run.
+
+A run is written whole or not at all (`record` is a single transaction), so a crash or a
+kill never leaves a half-written run, and runs written by earlier processes are never
+touched. WAL mode and a busy timeout let grid cells in separate processes write at once.
+Default path: ./results/memstudy.sqlite, or $MEMSTUDY_DB.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+DEFAULT_DB = "results/memstudy.sqlite"
+STATUSES = ("ok", "oom", "error", "diverged")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    config_hash TEXT NOT NULL,
+    name TEXT NOT NULL,           -- technique set as given, e.g. 'amp:bf16+checkpoint', or 'original'
+    label TEXT,
+    status TEXT NOT NULL CHECK (status IN ('ok', 'oom', 'error', 'diverged')),
+    failed_phase TEXT,            -- phase of an oom / error / divergence
+    error TEXT,
+    image_size INTEGER NOT NULL,
+    batch_size INTEGER NOT NULL,
+    world_size INTEGER NOT NULL,
+    device TEXT NOT NULL,
+    gpu_name TEXT,
+    started_at REAL NOT NULL,
+    finished_at REAL NOT NULL,
+    config_json TEXT NOT NULL,
+    env_json TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS runs_hash ON runs (config_hash);
+CREATE TABLE IF NOT EXISTS metrics (
+    run_id INTEGER NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    rank INTEGER NOT NULL,
+    phase TEXT NOT NULL,          -- forward / backward / step / validation / run
+    name TEXT NOT NULL,           -- e.g. alloc_peak_bytes, time_s (docs/metrics.md)
+    value REAL,
+    PRIMARY KEY (run_id, rank, phase, name)
+);
+CREATE TABLE IF NOT EXISTS epochs (
+    run_id INTEGER NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    rank INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    steps INTEGER NOT NULL,
+    train_loss REAL,
+    val_loss REAL,
+    val_ssim REAL,
+    val_psnr REAL,
+    time_s REAL NOT NULL,
+    PRIMARY KEY (run_id, rank, epoch)
+);
+CREATE TABLE IF NOT EXISTS series (
+    run_id INTEGER NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    rank INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    name TEXT NOT NULL,           -- per-step values: loss, batch_size, lr, precision/<layer>, ...
+    value REAL,
+    PRIMARY KEY (run_id, rank, step, name)
+);
+"""
+
+
+@dataclass
+class RunRecord:
+    config: dict[str, Any]
+    config_hash: str
+    name: str
+    status: str
+    env: dict[str, Any]
+    started_at: float
+    finished_at: float = field(default_factory=time.time)
+    label: str | None = None
+    failed_phase: str | None = None
+    error: str | None = None
+    metrics: list[tuple[int, str, str, float]] = field(default_factory=list)  # rank, phase, name, value
+    epochs: list[dict[str, Any]] = field(default_factory=list)  # rank, epoch, steps, losses, time_s
+    series: list[tuple[int, int, str, float]] = field(default_factory=list)  # rank, step, name, value
+
+
+def default_db_path() -> str:
+    return os.environ.get("MEMSTUDY_DB", DEFAULT_DB)
+
+
+class ResultsDB:
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path or default_db_path())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._connect() as con:
+            con.executescript(SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        con = sqlite3.connect(self.path, timeout=60)
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("PRAGMA foreign_keys=ON")
+        con.row_factory = sqlite3.Row
+        return con
+
+    def record(self, rec: RunRecord) -> int:
+        if rec.status not in STATUSES:
+            raise ValueError(f"status {rec.status!r} is not one of {STATUSES}")
+        train = rec.config["train"]
+        con = self._connect()
+        try:
+            with con:  # one transaction: the whole run or nothing
+                cur = con.execute(
+                    "INSERT INTO runs (config_hash, name, label, status, failed_phase, error, "
+                    "image_size, batch_size, world_size, device, gpu_name, started_at, finished_at, "
+                    "config_json, env_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (rec.config_hash, rec.name, rec.label, rec.status, rec.failed_phase, rec.error,
+                     train["image_size"], train["batch_size"], rec.config.get("world_size", 1),
+                     str(rec.env.get("device")), rec.env.get("gpu_name"), rec.started_at,
+                     rec.finished_at, json.dumps(rec.config, sort_keys=True),
+                     json.dumps(rec.env, sort_keys=True, default=str)))
+                run_id = int(cur.lastrowid)
+                con.executemany("INSERT INTO metrics VALUES (?,?,?,?,?)",
+                                [(run_id, r, p, n, _num(v)) for r, p, n, v in rec.metrics])
+                con.executemany(
+                    "INSERT INTO epochs VALUES (?,?,?,?,?,?,?,?,?)",
+                    [(run_id, e.get("rank", 0), e["epoch"], e["steps"], e.get("train_loss"),
+                      e.get("val_loss"), e.get("val_ssim"), e.get("val_psnr"), e["time_s"])
+                     for e in rec.epochs])
+                con.executemany("INSERT INTO series VALUES (?,?,?,?,?)",
+                                [(run_id, r, s, n, _num(v)) for r, s, n, v in rec.series])
+            return run_id
+        finally:
+            con.close()
+
+    def query(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
+        con = self._connect()
+        try:
+            return [dict(row) for row in con.execute(sql, params)]
+        finally:
+            con.close()
+
+    def runs(self, status: str | None = None) -> list[dict[str, Any]]:
+        where, params = ("WHERE status = ?", (status,)) if status else ("", ())
+        return self.query(f"SELECT * FROM runs {where} ORDER BY id", params)
+
+    def recorded_hashes(self) -> set[str]:
+        return {r["config_hash"] for r in self.query("SELECT DISTINCT config_hash FROM runs")}
+
+    def metrics(self, run_id: int) -> dict[tuple[int, str], dict[str, float]]:
+        out: dict[tuple[int, str], dict[str, float]] = {}
+        for row in self.query("SELECT * FROM metrics WHERE run_id = ?", (run_id,)):
+            out.setdefault((row["rank"], row["phase"]), {})[row["name"]] = row["value"]
+        return out
+
+    def epochs(self, run_id: int) -> list[dict[str, Any]]:
+        return self.query("SELECT * FROM epochs WHERE run_id = ? ORDER BY rank, epoch", (run_id,))
+
+    def series(self, run_id: int, name_like: str = "%") -> Iterator[dict[str, Any]]:
+        yield from self.query("SELECT * FROM series WHERE run_id = ? AND name LIKE ? "
+                              "ORDER BY rank, step", (run_id, name_like))
+
+
+def _num(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -1,0 +1,47 @@
+"""Plain-text tables for the terminal, and the per-phase table of one run."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from memstudy.units import mb
+
+PHASE_ORDER = ("forward", "backward", "step", "validation")
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
+              for i, h in enumerate(headers)]
+    line = lambda vals: "  ".join(v.ljust(w) if i == 0 else v.rjust(w)  # noqa: E731
+                                  for i, (v, w) in enumerate(zip(vals, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.2f}" if abs(v) < 1e5 else f"{v:.3g}"
+    return str(v)
+
+
+def phase_table(metrics: dict[str, dict[str, float]]) -> str:
+    """Per-phase MB table of one run (memory figures in MiB, time in ms); docs/metrics.md."""
+    cuda = any("alloc_peak_bytes" in m for m in metrics.values())
+    peak, held = ("alloc_peak_bytes", "alloc_held_bytes") if cuda else ("tensor_peak_bytes", "tensor_held_bytes")
+    headers = ["phase", "peak MB", "held MB", "saved MB"]
+    if cuda:
+        headers += ["reserved MB", "NVML MB", "NVML +MB"]
+    headers += ["time ms"]
+    rows = []
+    for phase in PHASE_ORDER:
+        m = metrics.get(phase)
+        if not m or "time_s" not in m:
+            continue
+        row = [phase, mb(m.get(peak)), mb(m.get(held)), mb(m.get("saved_bytes"))]
+        if cuda:
+            row += [mb(m.get("reserved_peak_bytes")), mb(m.get("nvml_peak_bytes")),
+                    mb(m.get("nvml_delta_bytes"))]
+        row.append(m["time_s"] * 1e3)
+        rows.append(row)
+    return format_table(headers, rows)

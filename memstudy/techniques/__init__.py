@@ -1,0 +1,68 @@
+"""Registry of memory techniques: `list_techniques()`, `get_technique(name)`, `parse_techniques()`.
+
+Every module in this package that does not start with an underscore is imported once and
+registers its technique(s), so adding a technique is adding one file.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+from memstudy.errors import ConfigError
+from memstudy.techniques.base import Build, Plan, Stage, Technique
+
+_REGISTRY: dict[str, Technique] = {}
+_LOADED = False
+_INTERNAL = {"base", "compose"}
+
+
+def register(technique: Technique) -> Technique:
+    if technique.name in _REGISTRY:
+        raise RuntimeError(f"technique {technique.name!r} registered twice")
+    _REGISTRY[technique.name] = technique
+    return technique
+
+
+def _load() -> None:
+    global _LOADED
+    if not _LOADED:
+        _LOADED = True
+        for mod in pkgutil.iter_modules(__path__):
+            if not mod.name.startswith("_") and mod.name not in _INTERNAL:
+                importlib.import_module(f"{__name__}.{mod.name}")
+
+
+def list_techniques() -> list[Technique]:
+    _load()
+    return sorted(_REGISTRY.values(), key=lambda t: (t.stage, t.name))
+
+
+def get_technique(name: str) -> Technique:
+    _load()
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown technique {name!r}; valid: {sorted(_REGISTRY)} "
+                          "(see `memstudy techniques`)")
+    return _REGISTRY[name]
+
+
+def parse_techniques(specs: list[str]) -> dict[str, Any]:
+    """['amp:bf16', 'checkpoint'] -> {name: options} in composition (stage) order."""
+    chosen: dict[str, tuple[Technique, Any]] = {}
+    for spec in specs:
+        name, *args = [p.strip() for p in spec.split(":")]
+        tech = get_technique(name)
+        if name in chosen:
+            raise ConfigError(f"technique {name!r} given twice in techniques {specs}; keep one")
+        chosen[name] = (tech, tech.parse(args))
+    ordered = sorted(chosen.values(), key=lambda pair: pair[0].stage)
+    return {tech.name: opts for tech, opts in ordered}
+
+
+def canonical(specs: list[str]) -> list[str]:
+    """Techniques with every option spelled out, in composition order (what gets hashed)."""
+    return [get_technique(n).canonical(o) for n, o in parse_techniques(specs).items()]
+
+
+__all__ = ["Build", "Plan", "Stage", "Technique", "register", "list_techniques",
+           "get_technique", "parse_techniques", "canonical"]

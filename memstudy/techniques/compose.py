@@ -1,0 +1,91 @@
+"""Validation and composition of techniques: the one place where a pipeline is put together.
+
+Order, and why it is this one:
+1. STRUCTURE (invertible residuals, low-rank, quantization, model-parallel split) decides
+   which modules exist; everything after wraps modules, so it must see the final ones.
+   Then the model moves to its device, unless a structural technique placed it itself.
+2. ACTIVATION (checkpointing, offload, compression) wraps the forward of those modules.
+3. COMPILE traces the forward as the activation techniques left it.
+4. PARALLEL (DDP, ZeRO, FSDP) wraps the (compiled) model and the optimizer; DDP and FSDP
+   must see the parameters exactly as they will be trained.
+5. RUNTIME (autocast, loss scaling, adaptive precision, elastic batch, accumulation) acts
+   on the training step, not on modules, and may depend on the final parameter layout.
+A combination is validated whole, before anything is built (`make_plan`).
+"""
+from __future__ import annotations
+
+import torch
+
+from memstudy.config import RunConfig
+from memstudy.errors import ConfigError
+from memstudy.models import build_unet
+from memstudy.quality import MSSSIMLoss, check_image_size
+from memstudy.runtime import Runtime
+from memstudy.techniques import get_technique, parse_techniques
+from memstudy.techniques.base import Build, Plan, Stage
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"train.device = {spec!r} but no CUDA GPU is visible; use "
+                              "train.device = 'cpu' (or 'auto')")
+        device = torch.device(spec)
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"train.device = {spec!r} but only {torch.cuda.device_count()} "
+                              "GPU(s) are visible")
+        return device
+    return torch.device(spec)
+
+
+def make_plan(config: RunConfig) -> Plan:
+    """Everything that can be refused is refused here, before a model or dataset is built."""
+    config.check()
+    check_image_size(config.train.image_size, config.train.msssim_scales)
+    device = resolve_device(config.train.device)
+    chosen = parse_techniques(config.techniques)
+    plan = Plan(config=config, device=device,
+                n_gpus=torch.cuda.device_count() if device.type == "cuda" else 0, chosen=chosen)
+    for name, options in chosen.items():
+        get_technique(name).check(options, plan)
+    return plan
+
+
+def default_optimizer(config: RunConfig):
+    t = config.train
+
+    def factory(model: torch.nn.Module) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if t.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=t.lr, momentum=0.9, weight_decay=t.weight_decay)
+        cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
+        return cls(params, lr=t.lr, weight_decay=t.weight_decay)
+
+    return factory
+
+
+def build_pipeline(plan: Plan) -> Build:
+    config = plan.config
+    runtime = Runtime(device=plan.device, batch_size=config.train.batch_size,
+                      loss_fn=MSSSIMLoss(config.train.msssim_scales),
+                      optimizer_factory=default_optimizer(config))
+    model = build_unet(config.encoder_weights, seed=config.train.seed)
+    build = Build(config=config, plan=plan, model=model, runtime=runtime, device=plan.device)
+    moved = False
+    for name, options in plan.chosen.items():
+        tech = get_technique(name)
+        if tech.stage > Stage.STRUCTURE and not moved:
+            _place(build)
+            moved = True
+        tech.apply(options, build)
+    if not moved:
+        _place(build)
+    return build
+
+
+def _place(build: Build) -> None:
+    if not build.placed:
+        build.model.to(build.device)
+        build.placed = True

@@ -1,0 +1,149 @@
+"""The training loop, written as explicit phases: forward, backward, step, validation.
+
+Batches are drawn with the runtime's current batch size, so a controller may change it
+between steps. Warm-up steps run unmeasured; the next `measure_steps` are measured phase by
+phase; the rest are only timed (their time is the unmetered step time).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from memstudy.errors import Diverged, PhaseFailure
+from memstudy.meters import PhaseRecorder
+from memstudy.quality import quality
+from memstudy.runtime import StepInfo
+from memstudy.techniques.base import Build
+
+
+@dataclass
+class TrainState:
+    """What the loop has produced so far; kept even when a phase fails."""
+    step: int = 0
+    epoch: int = 0
+    epochs: list[dict] = field(default_factory=list)
+    series: list[tuple[int, int, str, float]] = field(default_factory=list)
+    optimizer: torch.optim.Optimizer | None = None
+    oom_retries: int = 0
+
+
+def make_batch(dataset, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    items = [dataset[i] for i in indices]
+    x = torch.stack([it[0] for it in items])
+    y = torch.stack([it[1] for it in items])
+    if device.type == "cuda":
+        x, y = x.pin_memory(), y.pin_memory()
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: TrainState,
+          progress: Callable[[str], None] | None = None) -> TrainState:
+    cfg, model, rt = build.config.train, build.model, build.runtime
+    state.optimizer = optimizer = rt.optimizer_factory(model)
+    in_device = rt.input_device or build.device
+    first_measured, last_measured = cfg.warmup_steps, cfg.warmup_steps + cfg.measure_steps
+    total = cfg.max_steps or math.inf
+    for epoch in range(cfg.epochs):
+        state.epoch = epoch
+        model.train()
+        t0, losses, pos = time.perf_counter(), [], 0
+        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        while pos < len(order) and state.step < total:
+            indices = order[pos:pos + rt.batch_size].tolist()
+            x, y = make_batch(train_set, indices, in_device)
+            measured = first_measured <= state.step < last_measured
+            try:
+                loss = _train_step(model, rt, optimizer, recorder, state, x, y, measured)
+            except PhaseFailure as failure:
+                if not _retry_after_oom(failure, rt, optimizer, state):
+                    raise
+                continue
+            pos += len(indices)
+            state.step += 1
+            losses.append(loss)
+            state.series.append((0, state.step, "loss", loss))
+            state.series.append((0, state.step, "batch_size", len(indices)))
+            info = StepInfo(step=state.step, epoch=epoch, loss=loss, batch_size=len(indices),
+                            optimizer=optimizer)
+            for hook in rt.step_hooks:
+                hook(info)
+            if progress and (state.step % 10 == 0 or state.step == 1):
+                progress(f"epoch {epoch + 1}/{cfg.epochs} step {state.step} loss {loss:.4f}")
+        record = {"rank": 0, "epoch": epoch, "steps": state.step,
+                  "train_loss": sum(losses) / len(losses) if losses else None,
+                  "time_s": time.perf_counter() - t0}
+        if cfg.validate:
+            record.update(validate(build, val_set, recorder))
+        state.epochs.append(record)
+        if progress:
+            progress(_epoch_line(record, cfg.epochs))
+        if state.step >= total:
+            break
+    return state
+
+
+def _train_step(model, rt, optimizer, recorder, state, x, y, measured) -> float:
+    phase = "forward"
+    try:
+        with recorder.step(measured):
+            with recorder.phase("forward"):
+                loss = rt.forward(model, x, y)
+                value = loss.item()
+            if not math.isfinite(value):
+                raise Diverged("forward", state.step + 1, value)
+            phase = "backward"
+            with recorder.phase("backward"):
+                rt.backward(loss)
+            del loss
+            phase = "step"
+            with recorder.phase("step"):
+                rt.step(optimizer)
+    except (Diverged, PhaseFailure):
+        raise
+    except Exception as exc:  # any failure is reported with the phase it happened in
+        raise PhaseFailure(phase, state.step + 1, exc) from exc
+    return value
+
+
+def _retry_after_oom(failure: PhaseFailure, rt, optimizer, state: TrainState) -> bool:
+    if not isinstance(failure.cause, torch.OutOfMemoryError) or rt.oom_handler is None:
+        return False
+    optimizer.zero_grad(set_to_none=True)
+    if rt.device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not rt.oom_handler(failure.cause):
+        return False
+    state.oom_retries += 1
+    state.series.append((0, state.step, "oom_retry", rt.batch_size))
+    return True
+
+
+@torch.no_grad()
+def validate(build: Build, val_set, recorder: PhaseRecorder) -> dict[str, float]:
+    model, rt, cfg = build.model, build.runtime, build.config.train
+    model.eval()
+    sums: dict[str, float] = {}
+    in_device = rt.input_device or build.device
+    first = "validation" not in recorder.measured
+    with recorder.step(measured=first, timed=False), recorder.phase("validation"):
+        for i in range(0, len(val_set), cfg.batch_size):
+            x, y = make_batch(val_set, list(range(i, min(i + cfg.batch_size, len(val_set)))), in_device)
+            with rt.forward_context():
+                out = model(x)
+            for k, v in quality(out, y.to(out.device), cfg.msssim_scales).items():
+                sums[k] = sums.get(k, 0.0) + v * len(x)
+    model.train()
+    return {f"val_{k}": v / len(val_set) for k, v in sums.items()}
+
+
+def _epoch_line(r: dict, epochs: int) -> str:
+    parts = [f"epoch {r['epoch'] + 1}/{epochs}", f"{r['time_s']:.1f} s"]
+    if r.get("train_loss") is not None:
+        parts.append(f"train loss {r['train_loss']:.4f}")
+    if "val_loss" in r:
+        parts.append(f"val loss {r['val_loss']:.4f} SSIM {r['val_ssim']:.4f} PSNR {r['val_psnr']:.2f} dB")
+    return " | ".join(parts)
