@@ -1,11 +1,11 @@
-"""`memstudy` command line: run, techniques (grid, maxres and report join as they land)."""
+"""`memstudy` command line: run, techniques, grid, maxres, report."""
 from __future__ import annotations
 
 import argparse
 import sys
 
 from memstudy.config import RunConfig, load_toml, set_value, split_techniques
-from memstudy.errors import MemstudyError
+from memstudy.errors import ConfigError, MemstudyError
 from memstudy.runner import eprint, execute
 from memstudy.store import ResultsDB, default_db_path
 from memstudy.tables import phase_table
@@ -102,6 +102,93 @@ def cmd_techniques(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_grid(args: argparse.Namespace) -> int:
+    import signal
+
+    from memstudy.grid import cell_table, expand, load_spec, plan_outcomes, run_grid
+
+    spec = load_spec(args.spec)
+    if args.budget is not None:
+        spec.budget = args.budget
+    if args.timeout is not None:
+        spec.timeout_s = args.timeout
+    if args.dry_run:
+        cells = expand(spec)
+        print(cell_table(cells, plan_outcomes(cells, ResultsDB(args.db).recorded_hashes())))
+        return 0
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cells as Ctrl-C does
+    gpus = [g.strip() for g in args.gpus.split(",")] if args.gpus else None
+    try:
+        result = run_grid(spec, args.db, gpus, progress=None if args.quiet else eprint)
+    except KeyboardInterrupt:
+        eprint("interrupted: recorded cells are kept; the cells that were running left no "
+               "record and a rerun runs them")
+        return 130
+    print(cell_table(result.cells, result.outcomes))
+    print(f"stored in {args.db}")
+    return 1 if result.unrecorded else 0
+
+
+def cmd_maxres(args: argparse.Namespace) -> int:
+    from memstudy.maxres import maxres_table, search_all
+
+    cfg = config_from_args(args)
+    if cfg.budget is None:
+        raise ConfigError("memstudy maxres needs --budget, e.g. --budget 8GiB")
+    sets = [split_techniques(s) for s in args.sets] if args.sets else [cfg.techniques]
+    fit = [int(s) for s in args.fit_sizes.split(",")]
+    results = search_all(cfg, sets, args.db, fit_sizes=fit, max_size=args.max_size,
+                         timeout_s=args.timeout, progress=None if args.quiet else eprint)
+    print(maxres_table(results))
+    return 0 if all(r.error is None for r in results) else 1
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from memstudy.report import build_report
+
+    text = build_report(args.report_db or args.db, args.format, budget=args.budget)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+        eprint(f"wrote {args.out}")
+    else:
+        print(text)
+    return 0
+
+
+def add_study_parsers(sub) -> None:
+    """grid, maxres and report; `--db` is also accepted after the subcommand."""
+    db = dict(default=argparse.SUPPRESS, help="results database (SQLite)")
+    grid = sub.add_parser("grid", help="run a grid of technique sets x sizes, resumably")
+    grid.add_argument("spec", help="grid spec (TOML, docs/grid.md)")
+    grid.add_argument("--db", **db)
+    grid.add_argument("--gpus", help="comma-separated GPU ids, one cell per GPU at a time "
+                      "(default: all visible GPUs for GPU cells)")
+    grid.add_argument("--budget", help="memory budget for every cell, e.g. 8GiB")
+    grid.add_argument("--timeout", type=float, help="per-cell timeout in seconds")
+    grid.add_argument("--dry-run", action="store_true", help="list the cells; run nothing")
+    grid.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    grid.set_defaults(func=cmd_grid)
+    maxres = sub.add_parser("maxres", help="largest square size that trains under --budget")
+    add_run_args(maxres)
+    maxres.add_argument("--db", **db)
+    maxres.add_argument("--sets", action="append", metavar="TECHNIQUES",
+                        help="a technique set to search, e.g. amp:bf16,checkpoint (repeatable; "
+                        "default: the set given by -t, else original)")
+    maxres.add_argument("--fit-sizes", default="256,384,512", help="sizes measured for the "
+                        "prediction (2-3, px)")
+    maxres.add_argument("--max-size", type=int, default=8192, help="largest size probed (px)")
+    maxres.add_argument("--timeout", type=float, help="per-probe timeout in seconds")
+    maxres.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    maxres.set_defaults(func=cmd_maxres)
+    report = sub.add_parser("report", help="tables and plots of a results database")
+    report.add_argument("report_db", nargs="?", help="results database (default: --db)")
+    report.add_argument("--format", choices=("term", "md", "csv", "latex", "html"), default="term")
+    report.add_argument("--out", help="write to this file instead of the terminal")
+    report.add_argument("--budget", help="budget line on the memory-vs-resolution plot, e.g. 8GiB")
+    report.set_defaults(func=cmd_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memstudy", description=__doc__)
     parser.add_argument("--db", default=default_db_path(), help="results database (SQLite)")
@@ -112,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     tech = sub.add_parser("techniques", help="list techniques and their options")
     tech.set_defaults(func=cmd_techniques)
+    add_study_parsers(sub)
     return parser
 
 

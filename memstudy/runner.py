@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from memstudy import env as envinfo
+from memstudy.budget import apply_budget
 from memstudy.config import RunConfig
 from memstudy.datasets import build_datasets
 from memstudy.errors import Diverged, PhaseFailure
@@ -51,9 +52,12 @@ def execute(config: RunConfig, db: ResultsDB | None,
     resolved(config)
     train_set, val_set = build_datasets(config.data, config.train.image_size)  # raises on bad data
     device = plan.device
+    # before anything touches the GPU: the CUDA context is measured as it is created
+    budget_facts = apply_budget(config.budget, device)
     record = RunRecord(config=config.to_dict(), config_hash=config.hash(), name=name, status="ok",
                        env=envinfo.describe(device), started_at=time.time(), label=config.label)
     record.env["seed"] = config.train.seed
+    record.env.update(budget_facts)
     seed_everything(config.train.seed)
     state, recorder = TrainState(), None
     try:

@@ -1,0 +1,90 @@
+"""Memory-budget emulation: make a large device behave like a small one (`--budget 8GiB`).
+
+On CUDA the budget covers what an 8 GB card would hold: the CUDA context (driver, kernels
+and library handles, invisible to PyTorch's allocator) plus the caching allocator's reserved
+memory. The context is measured with NVML, then the allocator is capped with
+`torch.cuda.set_per_process_memory_fraction((budget - context) / total)`: an allocation that
+would make the reserved memory exceed the cap raises torch.OutOfMemoryError, which the run
+records as 'oom' in the phase it happened in. docs/budget.md says what this cannot capture
+(fragmentation of a smaller card, cuDNN workspace choices, NVML's view vs the allocator's).
+
+On the CPU the budget is enforced by the tensor meter (PhaseRecorder(cpu_limit_bytes=...)):
+live tensor bytes, parameters and optimizer state included, may not exceed it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memstudy.errors import ConfigError
+from memstudy.units import mb, parse_bytes
+
+
+def budget_bytes(budget: str | int | None) -> int | None:
+    if budget is None:
+        return None
+    try:
+        return parse_bytes(budget, "budget")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def nvml_used(index: int) -> int:
+    """Device-level used bytes (nvidia-smi's figure) of the visible CUDA device `index`.
+
+    torch maps the index through CUDA_VISIBLE_DEVICES; an explicit index keeps the call from
+    creating a CUDA context, so it can be taken before the context exists."""
+    return torch.cuda.device_memory_used(torch.device("cuda", index))
+
+
+def cuda_context_bytes(device: torch.device) -> int:
+    """Bytes the CUDA context of this process occupies on `device`, measured by NVML.
+
+    Before the context exists: NVML used after creating it minus used before (exact unless
+    another process allocates meanwhile). Once it exists (an earlier run in this process):
+    NVML used minus the allocator's reserved bytes, which also counts other processes on the
+    GPU, so the budget is then conservative (docs/budget.md)."""
+    index = device.index if device.index is not None else 0
+    if not torch.cuda.is_initialized():
+        before = nvml_used(index)
+        torch.cuda.init()
+        torch.empty(1, device=torch.device("cuda", index))  # the context is created lazily
+        torch.cuda.synchronize(index)
+        return nvml_used(index) - before - torch.cuda.memory_reserved(index)
+    torch.cuda.synchronize(index)
+    return nvml_used(index) - torch.cuda.memory_reserved(index)
+
+
+def apply_budget(budget: str | None, device: torch.device) -> dict[str, Any]:
+    """Apply the budget of one run on `device`; returns the facts to store with the run.
+
+    CUDA without a budget resets the cap, so an earlier capped run in the same process
+    (notebooks, tests) cannot constrain this one. The CPU needs nothing here: the runner
+    hands the budget to the tensor meter."""
+    limit = budget_bytes(budget)
+    if device.type != "cuda":
+        return {} if limit is None else {"budget_bytes": limit, "budget_enforced_by": "tensor meter"}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if limit is None:
+        if torch.cuda.is_initialized():
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
+        return {}
+    context = cuda_context_bytes(torch.device("cuda", index))
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = allocator_fraction(limit, context, total)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return {"budget_bytes": limit, "budget_enforced_by": "allocator cap",
+            "cuda_context_bytes": context, "allocator_cap_bytes": int(fraction * total),
+            "memory_fraction": fraction}
+
+
+def allocator_fraction(limit: int, context: int, total: int) -> float:
+    """The allocator's share of the device that leaves `limit` bytes in all, context included."""
+    if limit > total:
+        raise ConfigError(f"budget {mb(limit):.0f} MB exceeds the GPU's {mb(total):.0f} MB; "
+                          "lower budget or drop it")
+    if limit <= context:
+        raise ConfigError(f"budget {mb(limit):.0f} MB does not even hold the CUDA context "
+                          f"({mb(context):.0f} MB measured by NVML); raise budget")
+    return (limit - context) / total
