@@ -1,0 +1,11 @@
+"""Distributed execution for memstudy: process groups, launching, per-rank records, p2p.
+
+`context` answers "who am I" (rank, world size, device, backend); `launch` starts the
+processes of one run (spawn on one host, or torchrun on several); `records` merges every
+rank's measurements into the single run that rank 0 stores; `p2p`, `split` and
+`schedule` are the pieces of the model-parallel and pipeline techniques.
+"""
+from memstudy.distributed.context import (RANK_MAX, RANK_MEAN, is_distributed, local_rank, rank,
+                                          world_size)
+
+__all__ = ["RANK_MAX", "RANK_MEAN", "is_distributed", "local_rank", "rank", "world_size"]

@@ -1,0 +1,121 @@
+"""The study's model-parallel split of the U-Net: encoder on one device, decoder + head on another.
+
+`LocalSplitUNet` keeps both halves in one process on two GPUs and moves the skip features
+with `.to()` (autograd moves their gradients back). `EncoderHalf` / `DecoderHalf` are the
+halves as modules of their own (pipeline stages take them as they are), and `P2PHalf` runs
+one half per process, exchanging features and gradients with torch.distributed send/recv.
+
+Every module here exposes the block protocol of ContrastUNet (`residual_stages`,
+`encoder_stages`, `decoder_blocks`, ...) for the blocks it holds, so activation techniques
+(checkpointing) still find the blocks after the split.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from memstudy.distributed import p2p
+
+
+class _Protocol:
+    """Block protocol over whichever parts (`encoder`, `decoder`, `head`) the module holds."""
+
+    @property
+    def residual_stage_names(self) -> list[str]:
+        return ["layer1", "layer2", "layer3", "layer4"] if self._has("encoder") else []
+
+    @property
+    def residual_stages(self) -> list[nn.Module]:
+        return [getattr(self.encoder, n) for n in self.residual_stage_names]
+
+    @property
+    def encoder_stages(self) -> list[nn.Module]:
+        if not self._has("encoder"):
+            return []
+        e = self.encoder
+        return [nn.ModuleList([e.conv1, e.bn1, e.relu]), e.maxpool, *self.residual_stages]
+
+    @property
+    def decoder_blocks(self) -> list[nn.Module]:
+        return list(self.decoder.blocks) if self._has("decoder") else []
+
+    def _has(self, part: str) -> bool:
+        return part in self._modules
+
+
+class EncoderHalf(_Protocol, nn.Module):
+    """x -> the skip features (stem, layer1..layer4); the input itself is not sent."""
+
+    def __init__(self, unet: nn.Module):
+        super().__init__()
+        self.encoder = unet.encoder
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.encoder(x)[1:])
+
+
+class DecoderHalf(_Protocol, nn.Module):
+    """skip features -> enhanced image. The decoder reads the input only for its shape, so a
+    zero-stride placeholder of that shape stands in for it (no memory, nothing sent)."""
+
+    def __init__(self, unet: nn.Module):
+        super().__init__()
+        self.decoder, self.head = unet.decoder, unet.head
+
+    def forward(self, *features: torch.Tensor) -> torch.Tensor:
+        stem = features[0]  # stride 2: the input is twice its size
+        b, _, h, w = stem.shape
+        placeholder = stem.new_zeros(()).expand(b, 1, 2 * h, 2 * w)
+        return self.head(self.decoder([placeholder, *features]))
+
+
+class LocalSplitUNet(_Protocol, nn.Module):
+    """One process, two GPUs: encoder on `first`, decoder and head on `second`."""
+
+    def __init__(self, unet: nn.Module, first: torch.device, second: torch.device):
+        super().__init__()
+        self.encoder, self.decoder, self.head = unet.encoder, unet.decoder, unet.head
+        self.first, self.second = first, second
+        self.encoder.to(first)
+        self.decoder.to(second)
+        self.head.to(second)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.encoder(x.to(self.first))
+        # the skip connections cross devices; .to() is differentiable, so their gradients
+        # travel back to the encoder's GPU in backward
+        features = [f.to(self.second, non_blocking=True) for f in features]
+        return self.head(self.decoder(features))
+
+
+class P2PHalf(_Protocol, nn.Module):
+    """One half per process. Training: rank 0 returns a token scalar for its loss, rank 1 the
+    image; evaluation: rank 1 also sends the image back, so both ranks validate it."""
+
+    def __init__(self, half: nn.Module, rank: int, peer: int):
+        super().__init__()
+        self.half, self.rank, self.peer = half, rank, peer
+        for part in ("encoder", "decoder", "head"):
+            if hasattr(half, part):
+                self.add_module(part, getattr(half, part))  # same objects: protocol access
+
+    def _device(self) -> torch.device:
+        return next(self.half.parameters()).device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 0:
+            features = self.half(x)
+            if torch.is_grad_enabled():
+                return p2p.SendActivations.apply(self.peer, *features)
+            p2p.send_tensors(list(features), self.peer)
+            return p2p.recv_tensors(self.peer, self._device())[0]
+        device = self._device()
+        if torch.is_grad_enabled():
+            anchor = torch.zeros((), device=device, requires_grad=True)
+            features = p2p.RecvActivations.apply(self.peer, device, anchor)
+        else:
+            features = p2p.recv_tensors(self.peer, device)
+        out = self.half(*features)
+        if not torch.is_grad_enabled():
+            p2p.send_tensors([out], self.peer)
+        return out

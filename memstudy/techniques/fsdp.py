@@ -1,0 +1,63 @@
+"""Fully sharded data parallelism: FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Memory / compute trade-off, per rank of N:
+- mode=grad_op (ZeRO-2-like, reshard_after_forward=False): parameters are gathered once per
+  step and kept unsharded from forward through backward; gradients (reduce-scatter) and
+  optimizer state are held as 1/N shards. Communication: one all-gather + one
+  reduce-scatter of the parameters per step.
+- mode=full (ZeRO-3-like, reshard_after_forward=True): parameters are also freed after each
+  block's forward and gathered again for its backward, so only one block's parameters are
+  whole at a time; one more all-gather per step.
+Shards are per encoder residual stage and per decoder block, then the root (stem, head),
+so the gather granularity follows the U-Net's blocks. Data are split as in dp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from memstudy.distributed import context
+from memstudy.errors import ConfigError
+from memstudy.techniques import register
+from memstudy.techniques.base import Build, Plan, Stage, Technique
+
+
+@dataclass
+class Options:
+    mode: str = field(default="full", metadata={
+        "choices": ("full", "grad_op"),
+        "help": "full: ZeRO-3-like (reshard after forward); grad_op: ZeRO-2-like"})
+    backend: str = field(default="auto", metadata={
+        "choices": context.BACKENDS, "help": "auto: nccl on GPUs, gloo on the CPU"})
+
+
+def check(opts: Options, plan: Plan) -> None:
+    if plan.has("zero"):
+        raise ConfigError("fsdp with zero: fsdp already shards the optimizer state; drop zero")
+    if plan.has("dp"):
+        raise ConfigError("fsdp is itself data parallel (it shards what dp replicates): drop dp")
+    context.check_world(plan, "fsdp")
+    context.check_batch_divides(plan, "fsdp")
+    context.resolve_backend(opts.backend, plan.device, "fsdp", gloo_on_cuda=False)
+
+
+def apply(opts: Options, build: Build) -> None:
+    model = build.model
+    blocks = [*getattr(model, "residual_stages", []), *getattr(model, "decoder_blocks", [])]
+    if not blocks:
+        raise ConfigError("fsdp shards per U-Net block but the model exposes no "
+                          "residual_stages / decoder_blocks; drop fsdp")
+    context.shard_batch(build)
+    mesh = init_device_mesh(build.device.type, (context.world_size(),))
+    reshard = opts.mode == "full"
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    build.notes["fsdp"] = {"mode": opts.mode, "units": len(blocks) + 1}
+
+
+register(Technique("fsdp", Stage.PARALLEL, Options,
+                   "FSDP2: parameters/gradients/optimizer state sharded (full) or "
+                   "gradients/optimizer state sharded (grad_op)", apply, check))

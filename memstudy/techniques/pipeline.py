@@ -1,0 +1,109 @@
+"""Pipeline parallelism: the mp split run over micro-batches (torch.distributed.pipelining).
+
+Memory / compute trade-off: as mp, each of the two ranks holds one half (rank 0 the encoder,
+rank 1 the decoder, head and loss). The batch is cut into `micro_batches` pieces so both
+ranks compute at once (rank 0 on micro-batch k+1 while rank 1 works on k): less idle time
+than mp at the price of per-micro-batch transfers. GPipe runs all forwards then all
+backwards (activations of every micro-batch alive at once); 1F1B interleaves them and
+keeps at most two micro-batches' activations per rank. Forward and backward are one
+schedule call, measured as one phase, `forward_backward`.
+
+Equality with the unsplit model holds micro-batch by micro-batch: batch norm normalises
+over each micro-batch, so a pipelined step equals gradient accumulation over the same
+micro-batches on one device (exactly the unsplit step when micro_batches = 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from memstudy.distributed import context, p2p
+from memstudy.distributed.schedule import SCHEDULERS, add_scheduler, total_steps
+from memstudy.errors import ConfigError
+from memstudy.techniques import register
+from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.mp import apply_process_split
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@dataclass
+class Options:
+    micro_batches: int = field(default=2, metadata={"help": "pieces each batch is cut into"})
+    schedule: str = field(default="1f1b", metadata={"choices": tuple(SCHEDULES)})
+    scheduler: str = field(default="none", metadata={
+        "choices": SCHEDULERS, "help": "learning-rate schedule stepped after every step"})
+    backend: str = field(default="auto", metadata={
+        "choices": context.BACKENDS, "help": "auto: nccl on GPUs, gloo on the CPU"})
+
+
+def check(opts: Options, plan: Plan) -> None:
+    if opts.micro_batches < 1:
+        raise ConfigError(f"pipeline:micro_batches must be >= 1 (got {opts.micro_batches})")
+    b = plan.config.train.batch_size
+    if b % opts.micro_batches:
+        raise ConfigError(f"pipeline:micro_batches={opts.micro_batches} must divide "
+                          f"train.batch_size {b}; change either")
+    context.check_structure_last(plan, "pipeline")
+    context.check_world(plan, "pipeline", exact=2)
+    context.resolve_backend(opts.backend, plan.device, "pipeline", gloo_on_cuda=False)
+    if opts.scheduler != "none":
+        total_steps(plan.config)
+
+
+def apply(opts: Options, build: Build) -> None:
+    base_loss = build.runtime.loss_fn  # the split replaces it with the mp wrappers
+    r = apply_process_split(build, "pipeline")
+    build.notes["pipeline"] = {"micro_batches": opts.micro_batches, "schedule": opts.schedule}
+    build.runtime.forward_backward = PipelinedStep(build, opts, r, base_loss)
+    add_scheduler(opts.scheduler, build)
+
+
+class PipelinedStep:
+    """forward + backward of one step through the schedule; returns the (unscaled) loss.
+
+    The stage is built at the first step, once the half is on its device and wrapped by
+    later techniques (checkpointing)."""
+
+    def __init__(self, build: Build, opts: Options, r: int, base_loss):
+        self.build, self.opts, self.rank, self.base_loss = build, opts, r, base_loss
+        self.schedule = None
+        self.losses: list[torch.Tensor] = []
+
+    def _make(self, device: torch.device):
+        half = self.build.model.half
+        stage = PipelineStage(half, self.rank, 2, device)
+        loss = self._loss if self.rank == 1 else None
+        return SCHEDULES[self.opts.schedule](stage, self.opts.micro_batches, loss_fn=loss)
+
+    def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.base_loss(out, target)
+        self.losses.append(loss.detach())
+        scaler = self.build.runtime.scaler
+        return scaler.scale(loss) if scaler is not None else loss
+
+    def __call__(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        rt = self.build.runtime
+        device = next(model.parameters()).device
+        if self.schedule is None:
+            self.schedule = self._make(device)
+        if rt.scaler is not None:
+            p2p.synchronise_overflow(rt.scaler)
+        self.losses = []
+        with rt.forward_context():
+            if self.rank == 0:
+                self.schedule.step(x)
+            else:
+                self.schedule.step(target=y.to(device))
+        value = (torch.stack(self.losses).mean().float() if self.rank == 1
+                 else torch.zeros((), device=device))
+        dist.broadcast(value, src=1)  # both ranks record the step's loss
+        return value
+
+
+register(Technique("pipeline", Stage.STRUCTURE, Options,
+                   "pipeline: the mp split over micro-batches (GPipe / 1F1B), two ranks",
+                   apply, check))
