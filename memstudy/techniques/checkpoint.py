@@ -1,0 +1,274 @@
+"""Activation checkpointing: keep fewer activations in forward, recompute them in backward.
+
+Memory / compute trade-off: a checkpointed region keeps only its inputs for backward (plus,
+with `selective`, the outputs the policy saves); everything else it computed is dropped and
+recomputed, region by region, when backward reaches it. Forward memory falls by roughly the
+activations inside regions; backward pays one extra forward of every region (about +30% step
+time for a convolutional net, less with `selective`) and holds one region's activations at a
+time while recomputing. Non-reentrant `torch.utils.checkpoint` is used throughout.
+
+Placements (positional option `placement`):
+- `block`: every residual block of layer1..layer4 and every decoder block is one region. The
+  stem (conv1 + bn1 at half resolution) and the max-pool indices stay saved.
+- `sqrt`: Chen et al.'s sqrt(L) rule (seeds/002 III.E). The network is a chain of L units:
+  the stem, each residual block (the max-pool joins layer1's first block) and each decoder
+  block (L = 1 + 16 + 5 = 22 for the ResNet-34 U-Net). Unit i belongs to even segment
+  i * k // L, k = `segments` (0: round(sqrt(L)) = 5). The U-Net's skip connections decide
+  the rest: every encoder stage output (stem, layer1..layer4) is consumed by a decoder block,
+  so it must stay alive until backward anyway. Cutting a region there is free, so encoder
+  regions never span a stage: each is a run of one stage's units within one segment, and its
+  output - the stage output where it ends a stage - is the checkpoint's output, which the
+  decoder receives as its skip. Decoder blocks, in contrast, hand only their output to the next
+  block, so a decoder region runs several blocks and takes their skip features as inputs
+  (already alive; nothing extra kept). To run regions that group modules which smp calls one
+  by one, the encoder's and decoder's `forward` are replaced on the instances by
+  `_encoder_forward` / `_decoder_forward`, which follow smp 0.6's ResNetEncoder / UnetDecoder
+  step for step (the gradient test against the plain model guards this); other encoders or
+  decoders are refused.
+- `selective`: regions as in `block`, with a per-op policy
+  (`create_selective_checkpoint_contexts`): convolution outputs are saved (MUST_SAVE) and
+  everything else - BatchNorm, ReLU, additions, up-sampling - recomputed (PREFER_RECOMPUTE).
+  Backward recomputes only the cheap ops; memory sits between plain and `block`.
+
+BatchNorm: recomputation runs the BatchNorm layers of a region again in training mode, which
+would update running_mean / running_var / num_batches_tracked a second time per step. The
+recompute context (checkpoint's `context_fn` gives the forward and the recomputation separate
+contexts) snapshots those buffers and restores them afterwards, so the running statistics
+equal the plain model's exactly. Modules are not replaced (only `forward` of instances is
+patched), so parameter names and state_dict keys are unchanged. Blocks that are not plain
+ResNet blocks (e.g. `invertible`'s MomentumBlocks, which rebuild their own activations) are
+left unwrapped and listed in the run's notes.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from segmentation_models_pytorch.decoders.unet.decoder import UnetDecoder
+from segmentation_models_pytorch.encoders.resnet import ResNetEncoder
+from torch import nn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts, noop_context_fn)
+from torchvision.models.resnet import BasicBlock, Bottleneck
+
+from memstudy.errors import ConfigError
+from memstudy.techniques import register
+from memstudy.techniques.base import Build, Plan, Stage, Technique
+
+PLACEMENTS = ("block", "sqrt", "selective")
+RESNET34_UNET_UNITS = 1 + (3 + 4 + 6 + 3) + 5  # stem, BasicBlocks, decoder blocks
+SAVED_OPS = {torch.ops.aten.convolution.default}  # `selective` keeps these outputs
+
+
+@dataclass
+class Options:
+    placement: str = field(default="block", metadata={
+        "choices": PLACEMENTS,
+        "help": "block: each residual / decoder block; sqrt: ~sqrt(L) segments; selective: per "
+                "block, convolution outputs kept, the rest recomputed"})
+    segments: int = field(default=0, metadata={
+        "help": "sqrt only: number of even segments over the L units (0 = round(sqrt(L)))"})
+
+
+def check(opts: Options, plan: Plan) -> None:
+    if opts.segments and opts.placement != "sqrt":
+        raise ConfigError(f"checkpoint: segments applies only to placement=sqrt (got "
+                          f"placement={opts.placement}); drop segments or use checkpoint:sqrt")
+    if not 0 <= opts.segments <= RESNET34_UNET_UNITS:
+        raise ConfigError(f"checkpoint: segments={opts.segments} must be 0 (= sqrt of the unit "
+                          f"count) or 1..{RESNET34_UNET_UNITS}, the ResNet-34 U-Net's units")
+
+
+# -- running a region under checkpoint ------------------------------------------------------
+def _save_convolutions(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextlib.contextmanager
+def bn_stats_restored(modules: list[nn.Module]):
+    """Whatever BatchNorm does to its running statistics inside, they are put back on exit."""
+    saved = [(buf, buf.clone()) for m in modules for bn in m.modules()
+             if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.track_running_stats
+             for buf in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
+    try:
+        yield
+    finally:  # also when checkpoint's early stop interrupts the recomputation
+        with torch.no_grad():
+            for buf, value in saved:
+                buf.copy_(value)
+
+
+@contextlib.contextmanager
+def _recompute_context(modules: list[nn.Module], inner):
+    with bn_stats_restored(modules), inner:
+        yield
+
+
+def _contexts(modules: list[nn.Module], selective: bool):
+    forward, recompute = (create_selective_checkpoint_contexts(_save_convolutions) if selective
+                          else (contextlib.nullcontext(), contextlib.nullcontext()))
+    return forward, _recompute_context(modules, recompute)
+
+
+def checkpointed_call(fn: Callable, modules: list[nn.Module], selective: bool, *args, **kwargs):
+    """fn(*args, **kwargs) as one non-reentrant checkpoint region over `modules`."""
+    if not torch.is_grad_enabled():  # validation: nothing is saved, nothing to recompute
+        return fn(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        # Under torch.compile, context_fn must return dispatch modes, and the compiled graph
+        # applies BatchNorm's buffer updates once (recomputation happens inside the graph).
+        # Not exercised by the CPU tests.
+        context_fn = (functools.partial(create_selective_checkpoint_contexts, _save_convolutions)
+                      if selective else noop_context_fn)
+    else:
+        context_fn = functools.partial(_contexts, modules, selective)
+    # respect_saved_tensors_hooks: tensors `selective` keeps go through the runtime's
+    # saved-tensor hooks like any other saved tensor (the meters count them, offload moves them).
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn,
+                      respect_saved_tensors_hooks=True, **kwargs)
+
+
+def checkpoint_module(module: nn.Module, selective: bool = False) -> None:
+    """Make every call of `module` a checkpoint region (its instance `forward` is replaced)."""
+    original = module.forward
+
+    def forward(*args, **kwargs):
+        return checkpointed_call(original, [module], selective, *args, **kwargs)
+
+    module.forward = forward
+
+
+def is_plain_block(module: nn.Module) -> bool:
+    return isinstance(module, (BasicBlock, Bottleneck))
+
+
+# -- placements ------------------------------------------------------------------------------
+def apply_per_block(model: nn.Module, selective: bool) -> tuple[list[str], list[str]]:
+    """`block` / `selective`: each residual block and decoder block; returns (wrapped, skipped)."""
+    wrapped, skipped = [], []
+    for stage_name, stage in zip(model.residual_stage_names, model.residual_stages):
+        for i, block in enumerate(stage):
+            (wrapped if is_plain_block(block) else skipped).append(f"encoder.{stage_name}.{i}")
+            if is_plain_block(block):
+                checkpoint_module(block, selective)
+    for i, block in enumerate(model.decoder_blocks):
+        checkpoint_module(block, selective)
+        wrapped.append(f"decoder.blocks.{i}")
+    return wrapped, skipped
+
+
+@dataclass
+class Unit:
+    name: str
+    modules: list[nn.Module]  # run one after the other
+    group: int  # encoder stage 0..4 (stem, layer1..layer4), or 5 for the decoder
+    checkpointable: bool = True
+
+
+def chain_units(model: nn.Module) -> list[Unit]:
+    """The network as the chain of units that `sqrt` segments."""
+    enc = model.encoder
+    units = [Unit("stem", [enc.conv1, enc.bn1, enc.relu], 0)]
+    for g, (name, stage) in enumerate(zip(model.residual_stage_names, model.residual_stages), 1):
+        for i, block in enumerate(stage):
+            modules = [enc.maxpool, block] if g == 1 and i == 0 else [block]
+            units.append(Unit(f"{name}.{i}", modules, g, is_plain_block(block)))
+    decoder_group = len(model.residual_stages) + 1
+    units += [Unit(f"decoder.{i}", [b], decoder_group) for i, b in enumerate(model.decoder_blocks)]
+    return units
+
+
+def sqrt_regions(units: list[Unit], segments: int) -> list[list[Unit]]:
+    """Maximal runs of units sharing even segment i * k // L, group, and checkpointability."""
+    regions: list[list[Unit]] = []
+    key = None
+    for i, unit in enumerate(units):
+        new_key = (i * segments // len(units), unit.group, unit.checkpointable)
+        if new_key != key or not unit.checkpointable:
+            regions.append([])
+        regions[-1].append(unit)
+        key = new_key
+    return regions
+
+
+def _run_sequence(modules: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for module in modules:
+        x = module(x)
+    return x
+
+
+def _run_decoder_blocks(blocks: list[nn.Module], sizes: list[tuple[int, int]], x: torch.Tensor,
+                        *skips: torch.Tensor | None) -> torch.Tensor:
+    for block, (height, width), skip in zip(blocks, sizes, skips):
+        x = block(x, height, width, skip_connection=skip)
+    return x
+
+
+def _encoder_forward(stages: list[list[list[Unit]]], x: torch.Tensor) -> list[torch.Tensor]:
+    """smp 0.6 ResNetEncoder.forward (depth 5): [input, stem, layer1..layer4] outputs."""
+    features = [x]
+    for regions in stages:
+        for region in regions:
+            modules = [m for unit in region for m in unit.modules]
+            x = (checkpointed_call(_run_sequence, modules, False, modules, x)
+                 if region[0].checkpointable else _run_sequence(modules, x))
+        features.append(x)
+    return features
+
+
+def _decoder_forward(decoder: nn.Module, regions: list[list[int]],
+                     features: list[torch.Tensor]) -> torch.Tensor:
+    """smp 0.6 UnetDecoder.forward with the blocks of each region run as one checkpoint."""
+    shapes = [f.shape[2:] for f in features][::-1]
+    features = features[1:][::-1]  # drop the full-resolution input; start from the deepest
+    head, skips = features[0], features[1:]
+    x = decoder.center(head)
+    for region in regions:
+        blocks = [decoder.blocks[i] for i in region]
+        sizes = [tuple(shapes[i + 1]) for i in region]
+        region_skips = [skips[i] if i < len(skips) else None for i in region]
+        x = checkpointed_call(_run_decoder_blocks, blocks, False, blocks, sizes, x, *region_skips)
+    return x
+
+
+def apply_sqrt(model: nn.Module, segments: int) -> tuple[list[str], list[str], int]:
+    enc, dec = model.encoder, model.decoder
+    if not (isinstance(enc, ResNetEncoder) and enc._depth == 5 and type(dec) is UnetDecoder):
+        raise ConfigError(f"checkpoint:sqrt rebuilds smp's ResNet encoder / UnetDecoder forward "
+                          f"and got {type(enc).__name__} / {type(dec).__name__}; use "
+                          "checkpoint:block")
+    units = chain_units(model)
+    k = segments or round(math.sqrt(len(units)))
+    if k > len(units):
+        raise ConfigError(f"checkpoint: segments={k} exceeds the model's {len(units)} units")
+    regions = sqrt_regions(units, k)
+    decoder_group = units[-1].group
+    stages = [[r for r in regions if r[0].group == g] for g in range(decoder_group)]
+    decoder_regions = [[int(u.name.split(".")[1]) for u in r] for r in regions
+                       if r[0].group == decoder_group]
+    enc.forward = functools.partial(_encoder_forward, stages)
+    dec.forward = functools.partial(_decoder_forward, dec, decoder_regions)
+    wrapped = ["+".join(u.name for u in r) for r in regions if r[0].checkpointable]
+    skipped = [r[0].name for r in regions if not r[0].checkpointable]
+    return wrapped, skipped, k
+
+
+def apply(opts: Options, build: Build) -> None:
+    model = build.model
+    if opts.placement == "sqrt":
+        wrapped, skipped, k = apply_sqrt(model, opts.segments)
+        build.notes["checkpoint_segments"] = k
+    else:
+        wrapped, skipped = apply_per_block(model, selective=opts.placement == "selective")
+    build.notes["checkpoint_regions"] = wrapped
+    if skipped:
+        build.notes["checkpoint_not_wrapped"] = skipped
+
+
+register(Technique("checkpoint", Stage.ACTIVATION, Options,
+                   "recompute activations in backward: less forward memory, ~1 extra forward",
+                   apply, check))
