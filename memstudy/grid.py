@@ -139,8 +139,7 @@ def expand(spec: GridSpec) -> list[Cell]:
         cell = Cell(index=len(cells) + 1, config=cfg)
         try:
             make_plan(cfg)
-            resolved(cfg)
-            cell.hash = cfg.hash()
+            cell.hash = config_hash(cfg)
         except (ConfigError, ValueError) as exc:
             cell.error = str(exc)
         if cell.hash is None or cell.hash not in seen:
@@ -191,13 +190,18 @@ def _toml_value(v: Any) -> str:
     raise ConfigError(f"cannot write {v!r} to a cell config")
 
 
+def config_hash(config: RunConfig) -> str:
+    """The hash a run of `config` is recorded under (techniques in canonical form)."""
+    return resolved(copy.deepcopy(config)).hash()
+
+
 def write_cell_config(config: RunConfig, folder: Path) -> Path:
     """<folder>/<hash>.toml, checked to load back to the same config hash."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{config.hash()}.toml"
+    key = config_hash(config)
+    path = folder / f"{key}.toml"
     path.write_text(to_toml(config.to_dict()))
-    back = resolved(load_toml(path))
-    if back.hash() != config.hash():
+    if config_hash(load_toml(path)) != key:
         raise RuntimeError(f"{path} does not load back to the same configuration")
     return path
 
@@ -226,7 +230,8 @@ class CellProcess:
         self.config, self.db_path, self.gpu = config, str(db_path), gpu
         folder = cells_folder(db_path)
         toml = write_cell_config(config, folder)
-        self.log_path = folder / f"{config.hash()}.log"
+        self.hash = config_hash(config)
+        self.log_path = folder / f"{self.hash}.log"
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -254,20 +259,23 @@ class CellProcess:
         """The cell's outcome: its recorded status, 'timeout' (recorded here), or killed/crashed."""
         db = ResultsDB(self.db_path)
         rows = db.query("SELECT status, failed_phase FROM runs WHERE config_hash = ? "
-                        "ORDER BY id DESC LIMIT 1", (self.config.hash(),))
+                        "ORDER BY id DESC LIMIT 1", (self.hash,))
         if rows:
             r = rows[0]
             return r["status"] + (f" in {r['failed_phase']}" if r["failed_phase"] else "")
         if timed_out:
-            record_timeout(db, self.config, self.started, self.gpu)
+            record_timeout(db, self.config, self.hash, self.started, self.gpu)
             return "error in timeout"
         rc = self.proc.returncode
         return f"{KILLED} by signal {-rc}" if rc < 0 else f"{CRASHED} (exit {rc}, see {self.log_path})"
 
 
-def record_timeout(db: ResultsDB, config: RunConfig, started: float, gpu: str | None) -> None:
+def record_timeout(db: ResultsDB, config: RunConfig, key: str, started: float,
+                   gpu: str | None) -> None:
     info = {"host": os.uname().nodename, "device": config.train.device, "gpu_slot": gpu}
-    db.record(RunRecord(config=config.to_dict(), config_hash=config.hash(), name=run_name(config),
+    name = run_name(config)
+    config = resolved(copy.deepcopy(config))  # stored like every run: canonical techniques
+    db.record(RunRecord(config=config.to_dict(), config_hash=key, name=name,
                         status="error", env=info, started_at=started, label=config.label,
                         failed_phase="timeout",
                         error=f"cell exceeded its timeout of {time.time() - started:.0f} s and "
