@@ -9,9 +9,9 @@ For each technique set: first a prediction, then a search, reported side by side
   strides away from it (64, 128, 256 px ...) until the outcome flips, then bisects. A probe
   that fails with anything but out-of-memory stops the search with that error: a size is
   never called "does not fit" because of an unrelated failure.
-Peak memory is what the budget caps: on CUDA the allocator's peak plus the CUDA context
-(as measured by NVML when the budget was applied); on the CPU the tensor meter's peak of
-live bytes. Probes are ordinary runs in the database (label 'maxres probe'); a probe whose
+Peak memory is what the budget caps (memstudy.report.data.absolute_phase_peaks): on CUDA
+the allocator's peak plus the CUDA context (as measured by NVML when the budget was
+applied); on the CPU the tensor meter's peak of live bytes. Probes are ordinary runs in the database (label 'maxres probe'); a probe whose
 config hash is already recorded is read back, not rerun. Results go to the `maxres` table.
 """
 from __future__ import annotations
@@ -30,14 +30,14 @@ from memstudy.config import RunConfig
 from memstudy.errors import ConfigError
 from memstudy.grid import config_hash, run_isolated
 from memstudy.runner import execute, run_name
+from memstudy.report.data import TRAIN_PHASES, absolute_phase_peaks
 from memstudy.store import ResultsDB
 from memstudy.units import mb
 
 GRID_PX = 64
 MIN_PX = 192  # the smallest multiple of 64 that 5-scale MS-SSIM accepts
-PROBE_LABEL = "maxres probe"
+PROBE_LABEL = "maxres probe"  # memstudy.report leaves probes out of its per-run tables
 PROBE_STEPS = 3  # one warm-up step and two measured ones
-TRAIN_PHASES = ("forward", "backward", "step")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS maxres (
@@ -222,23 +222,9 @@ def read_probe(db: ResultsDB, config_hash: str, size: int) -> Probe:
         raise ProbeError(f"the probe at {size} px left no record (killed or crashed)")
     row = rows[0]
     metrics = {phase: m for (_rank, phase), m in db.metrics(row["id"]).items()}
-    peaks = phase_peaks(metrics, json.loads(row["env_json"]))
+    peaks = absolute_phase_peaks(metrics, json.loads(row["env_json"]))
     return Probe(size, row["status"], row["failed_phase"], max(peaks.values(), default=None),
                  metrics.get("run", {}).get("step_time_s"), peaks, row["device"], row["gpu_name"])
-
-
-def phase_peaks(metrics: dict[str, dict[str, float]], env: dict) -> dict[str, float]:
-    """Per training phase, the absolute peak of what the budget caps: allocator bytes plus
-    the CUDA context on CUDA, live tensor bytes (tensor meter) on the CPU."""
-    context = env.get("cuda_context_bytes", 0)
-    peaks = {}
-    for phase in TRAIN_PHASES:
-        m = metrics.get(phase, {})
-        if "alloc_peak_bytes" in m:
-            peaks[phase] = m["alloc_start_bytes"] + m["alloc_peak_bytes"] + context
-        elif "tensor_peak_bytes" in m:
-            peaks[phase] = m["tensor_start_bytes"] + m["tensor_peak_bytes"]
-    return peaks
 
 
 def maxres(template: RunConfig, techniques: list[str], db_path: str | Path,

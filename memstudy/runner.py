@@ -20,6 +20,8 @@ from memstudy import env as envinfo
 from memstudy.budget import apply_budget
 from memstudy.config import RunConfig
 from memstudy.datasets import build_datasets
+from memstudy.distributed.context import rank_device
+from memstudy.distributed.records import gather_record
 from memstudy.errors import Diverged, PhaseFailure
 from memstudy.meters import PhaseRecorder
 from memstudy.store import ResultsDB, RunRecord
@@ -49,6 +51,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
             progress: Callable[[str], None] | None = None) -> RunRecord:
     name = run_name(config)
     plan = make_plan(config)  # raises ConfigError: nothing recorded
+    plan.device = rank_device(plan.device)  # distributed: each rank trains on its own GPU
     resolved(config)
     train_set, val_set = build_datasets(config.data, config.train.image_size)  # raises on bad data
     device = plan.device
@@ -59,13 +62,14 @@ def execute(config: RunConfig, db: ResultsDB | None,
     record.env["seed"] = config.train.seed
     record.env.update(budget_facts)
     seed_everything(config.train.seed)
-    state, recorder = TrainState(), None
+    state, recorder, build = TrainState(), None, None
     try:
         build = build_pipeline(plan)
         record.env["parameters"] = sum(p.numel() for p in build.model.parameters())
         cpu_limit = _cpu_budget(config) if device.type == "cpu" else None
         recorder = PhaseRecorder(device, build.model, build.runtime, lambda: state.optimizer,
                                  config.meter, cpu_limit_bytes=cpu_limit)
+        build.runtime.memory_meter = recorder.budget_meter
         train(build, train_set, val_set, recorder, state, progress)
     except PhaseFailure as failure:
         oom = isinstance(failure.cause, torch.OutOfMemoryError)
@@ -81,6 +85,9 @@ def execute(config: RunConfig, db: ResultsDB | None,
         if recorder is not None:
             recorder.close()
     _fill(record, recorder, state, config)
+    if build is not None:  # rows recorded by techniques (e.g. tri_accel's control steps)
+        record.series = [*record.series, *(r for src in build.runtime.series_sources for r in src())]
+    record = gather_record(record)  # distributed: rank 0 merges every rank's measurements
     if db is not None:
         db.record(record)
     _release(device)

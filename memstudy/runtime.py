@@ -43,6 +43,12 @@ class Runtime:
     oom_handler: Callable[[BaseException], bool] | None = None
     input_device: torch.device | None = None  # where batches go (model parallel: first stage)
     output_device: torch.device | None = None  # where targets go (model parallel: last stage)
+    # The tensor meter enforcing a CPU budget (set by the runner), for controllers that steer
+    # by memory use (tri_accel's elastic batch); None on a GPU or without a budget.
+    memory_meter: Any = None
+    # Extra per-step rows (rank, step, name, value) a technique records; the runner stores them
+    # in `series` with the loop's own rows. Names must not repeat within a step.
+    series_sources: list[Callable[[], list[tuple[int, int, str, float]]]] = field(default_factory=list)
 
     def set_saved_tensor_transform(self, pack: PackHook, unpack: UnpackHook, owner: str) -> None:
         if self.saved_tensor_transform is not None:

@@ -45,3 +45,49 @@ def phase_table(metrics: dict[str, dict[str, float]]) -> str:
         row.append(m["time_s"] * 1e3)
         rows.append(row)
     return format_table(headers, rows)
+
+
+# -- the same table in other formats (memstudy report) -----------------------------------------
+FORMATS = ("term", "md", "csv", "latex", "html")
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str = "term") -> str:
+    """One table as terminal text, Markdown, CSV, LaTeX (booktabs) or an HTML <table>."""
+    if fmt == "term":
+        return format_table(headers, rows)
+    cells = [[_cell(v) for v in row] for row in rows]
+    if fmt == "md":
+        esc = lambda s: s.replace("|", "\\|")  # noqa: E731
+        lines = ["| " + " | ".join(map(esc, headers)) + " |",
+                 "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(map(esc, r)) + " |" for r in cells])
+    if fmt == "csv":
+        import csv
+        import io
+
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(headers)
+        writer.writerows([["" if v is None else v for v in row] for row in rows])
+        return buf.getvalue().rstrip("\n")
+    if fmt == "latex":
+        spec = "l" + "r" * (len(headers) - 1)
+        body = [" & ".join(map(_latex, r)) + r" \\" for r in cells]
+        return "\n".join([rf"\begin{{tabular}}{{{spec}}}", r"\toprule",
+                          " & ".join(map(_latex, headers)) + r" \\", r"\midrule", *body,
+                          r"\bottomrule", r"\end{tabular}"])
+    if fmt == "html":
+        from html import escape
+
+        head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+        body = "".join("<tr>" + "".join(f"<td>{escape(v)}</td>" for v in r) + "</tr>" for r in cells)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    raise ValueError(f"table format {fmt!r} unknown; choose one of {FORMATS}")
+
+
+_LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
+          "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+
+
+def _latex(text: str) -> str:
+    return "".join(_LATEX.get(c, c) for c in text)

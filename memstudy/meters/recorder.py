@@ -46,6 +46,11 @@ class PhaseRecorder:
         self._budget_meter = (LiveTensorMeter(cpu_limit_bytes, self._persistent_bytes())
                               if cpu_limit_bytes is not None and not self.cuda else None)
 
+    @property
+    def budget_meter(self) -> LiveTensorMeter | None:
+        """The tensor meter enforcing a CPU budget (on for every step), if there is one."""
+        return self._budget_meter
+
     # -- step and phase contexts ----------------------------------------------------------
     @contextmanager
     def step(self, measured: bool, timed: bool = True) -> Iterator[None]:

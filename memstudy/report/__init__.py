@@ -1,0 +1,65 @@
+"""Reports of a results database: the study's tables and figures, for `memstudy report` and notebooks.
+
+Python API (all take a database path or a ResultsDB; rows are lists of dicts, pandas-free):
+    phase_memory(db, image_size=None)   Tables 2/4/6: Forward / Backward / Step MB, time
+    losses(db, image_size=None)         Table 1: train / validation loss, SSIM, PSNR
+    memory_ratios(db)                   Fig. 2: memory / original per phase
+    memory_vs_resolution(db)            peak MB of every run by size (maxres probes included)
+    largest_size(db)                    memstudy maxres results: predicted and found size
+    ratio_chart, resolution_chart, largest_size_chart -> matplotlib Figure; png(fig) -> bytes
+    render(table_name, rows, fmt)       one table as term / md / csv / latex / html
+    build_report(db, fmt)               everything, as `memstudy report` prints it
+    notebook_db()                       $MEMSTUDY_DB, else benchmarks/results/gpu.sqlite
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from memstudy.report.data import load_maxres, load_runs, open_db
+from memstudy.report.plots import largest_size_chart, png, ratio_chart, resolution_chart
+from memstudy.report.tables import (COLUMNS, TABLES, TITLES, as_cells, largest_size, losses,
+                                    memory_ratios, memory_vs_resolution, phase_memory)
+from memstudy.tables import FORMATS, render_table
+from memstudy.units import mb, parse_bytes
+
+GPU_DB = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu.sqlite"
+
+
+def notebook_db() -> Path:
+    """The database the notebooks read: $MEMSTUDY_DB, else the GPU benchmark database."""
+    return Path(os.environ.get("MEMSTUDY_DB") or GPU_DB)
+
+
+def render(table: str, rows: list[dict], fmt: str = "term") -> str:
+    return render_table(*as_cells(table, rows, raw=fmt == "csv"), fmt)
+
+
+def budget_line(resolution: list[dict], budget: str | None = None) -> float | None:
+    """The budget to draw: the one given, else the one every budgeted run shares."""
+    if budget:
+        return mb(parse_bytes(budget, "budget"))
+    budgets = {r["budget_mb"] for r in resolution if r["budget_mb"]}
+    return budgets.pop() if len(budgets) == 1 else None
+
+
+def build_report(db, fmt: str = "term", budget: str | None = None) -> str:
+    if fmt not in FORMATS:
+        raise ValueError(f"report format {fmt!r} unknown; choose one of {FORMATS}")
+    db = open_db(db)
+    tables = {name: fn(db) for name, fn in TABLES.items()}
+    if fmt == "html":
+        from memstudy.report.html import build_html
+
+        resolution = memory_vs_resolution(db)
+        return build_html(str(db.path), tables, resolution, budget_line(resolution, budget))
+    heading = {"term": "{}\n", "md": "## {}\n\n", "csv": "# {}\n", "latex": "% {}\n"}[fmt]
+    sections = [heading.format(TITLES[name]) + (render(name, rows, fmt) if rows else "(no runs)")
+                for name, rows in tables.items()]
+    return "\n\n".join(sections) + "\n"
+
+
+__all__ = ["COLUMNS", "TABLES", "TITLES", "build_report", "budget_line", "largest_size",
+           "largest_size_chart", "load_maxres", "load_runs", "losses", "memory_ratios",
+           "memory_vs_resolution", "notebook_db", "open_db", "phase_memory", "png",
+           "ratio_chart", "render", "resolution_chart"]

@@ -1,0 +1,82 @@
+"""Reading a results database for reports: runs with their per-phase figures and losses.
+
+Torch-free on purpose (sqlite3 and json only), so notebooks and `memstudy report` start fast.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from memstudy.errors import ConfigError
+from memstudy.store import ResultsDB
+
+TRAIN_PHASES = ("forward", "backward", "step")
+PROBE_LABEL = "maxres probe"  # label of maxres probes (memstudy.maxres)
+
+
+def open_db(db: str | Path | ResultsDB) -> ResultsDB:
+    if isinstance(db, ResultsDB):
+        return db
+    if not Path(db).is_file():
+        raise ConfigError(f"results database {str(db)!r} not found; run a grid first "
+                          "(memstudy grid examples/quick.toml) or pass --db / set MEMSTUDY_DB")
+    return ResultsDB(db)
+
+
+def phase_peak(m: dict[str, float]) -> float | None:
+    """A phase's peak memory above its start: allocator on CUDA, tensor meter on the CPU."""
+    for key in ("alloc_peak_bytes", "tensor_peak_bytes"):
+        if key in m:
+            return m[key]
+    return None
+
+
+def absolute_phase_peaks(metrics: dict[str, dict[str, float]], env: dict) -> dict[str, float]:
+    """Per training phase, the absolute peak of what a budget caps: allocator bytes plus the
+    CUDA context on CUDA (context measured when a budget was applied, else 0), live tensor
+    bytes (tensor meter, parameters and optimizer state included) on the CPU."""
+    context = env.get("cuda_context_bytes", 0)
+    peaks = {}
+    for phase in TRAIN_PHASES:
+        m = metrics.get(phase, {})
+        if "alloc_peak_bytes" in m:
+            peaks[phase] = m["alloc_start_bytes"] + m["alloc_peak_bytes"] + context
+        elif "tensor_peak_bytes" in m:
+            peaks[phase] = m["tensor_start_bytes"] + m["tensor_peak_bytes"]
+    return peaks
+
+
+def load_runs(db: str | Path | ResultsDB, probes: bool = False) -> list[dict[str, Any]]:
+    """Every run as a dict: the runs row, `metrics` {phase: {name: value}}, `env`, `config`,
+    `last_epoch` (losses of the final epoch, rank 0) and `peaks` (absolute phase peaks).
+    maxres probes are left out unless `probes`."""
+    db = open_db(db)
+    runs = db.runs()
+    metrics: dict[int, dict[str, dict[str, float]]] = {}
+    for row in db.query("SELECT run_id, phase, name, value FROM metrics WHERE rank = 0"):
+        metrics.setdefault(row["run_id"], {}).setdefault(row["phase"], {})[row["name"]] = row["value"]
+    last: dict[int, dict[str, Any]] = {}
+    for row in db.query("SELECT * FROM epochs WHERE rank = 0 ORDER BY run_id, epoch"):
+        last[row["run_id"]] = row
+    out = []
+    for run in runs:
+        if run["label"] == PROBE_LABEL and not probes:
+            continue
+        run["metrics"] = metrics.get(run["id"], {})
+        run["env"] = json.loads(run.pop("env_json"))
+        run["config"] = json.loads(run.pop("config_json"))
+        run["last_epoch"] = last.get(run["id"])
+        run["peaks"] = absolute_phase_peaks(run["metrics"], run["env"])
+        out.append(run)
+    return out
+
+
+def load_maxres(db: str | Path | ResultsDB) -> list[dict[str, Any]]:
+    """Rows of the maxres table (memstudy.maxres), newest last; [] if none was recorded."""
+    db = open_db(db)
+    try:
+        return db.query("SELECT * FROM maxres ORDER BY id")
+    except sqlite3.OperationalError:  # no maxres table: no search was run on this database
+        return []

@@ -1,0 +1,167 @@
+"""The study's tables as lists of dict rows (pandas-free), computed from a results database.
+
+Runs are grouped by (technique set, image size, batch size, device); repeated runs of a group
+(seeds) are averaged over the runs that finished ok, and `runs` says how many there were.
+Memory is in MB (MiB, as torch and nvidia-smi count): a phase's peak above the memory held
+when the phase began (allocator on CUDA, tensor meter on the CPU; docs/report.md).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from memstudy.report.data import TRAIN_PHASES, load_maxres, load_runs, phase_peak
+from memstudy.store import ResultsDB
+from memstudy.units import mb
+
+BASELINE = "original"
+Rows = list[dict[str, Any]]
+DB = str | Path | ResultsDB
+
+
+def _device(run: dict[str, Any]) -> str:
+    return run["gpu_name"] or ("cpu" if run["device"].startswith("cpu") else run["device"])
+
+
+def _groups(runs: Rows) -> dict[tuple, Rows]:
+    groups: dict[tuple, Rows] = defaultdict(list)
+    for run in runs:
+        groups[(run["name"], run["image_size"], run["batch_size"], _device(run))].append(run)
+    return groups
+
+
+def _avg(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return mean(present) if present else None
+
+
+def _status(runs: Rows) -> str:
+    ok = sum(r["status"] == "ok" for r in runs)
+    if ok:
+        return "ok" if ok == len(runs) else f"ok {ok}/{len(runs)}"
+    last = runs[-1]
+    return last["status"] + (f" in {last['failed_phase']}" if last["failed_phase"] else "")
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return (row["device"], row["image_size"], row["batch_size"], row["name"] != BASELINE, row["name"])
+
+
+def phase_memory(db: DB, image_size: int | None = None) -> Rows:
+    """Tables 2/4/6: forward / backward / step peak MB, peak total MB, time per step and epoch."""
+    rows = []
+    for (name, size, batch, device), runs in _groups(load_runs(db)).items():
+        if image_size is not None and size != image_size:
+            continue
+        ok = [r for r in runs if r["status"] == "ok"] or runs
+        row = {"name": name, "image_size": size, "batch_size": batch, "device": device,
+               "status": _status(runs), "runs": len(runs)}
+        for phase in TRAIN_PHASES:
+            row[f"{phase}_mb"] = mb(_avg([phase_peak(r["metrics"].get(phase, {})) for r in ok]))
+        row["peak_total_mb"] = mb(_avg([max(r["peaks"].values(), default=None) for r in ok]))
+        row["step_time_s"] = _avg([r["metrics"].get("run", {}).get("step_time_s") for r in ok])
+        row["epoch_time_s"] = _avg([(r["last_epoch"] or {}).get("time_s") for r in ok])
+        rows.append(row)
+    return sorted(rows, key=_key)
+
+
+def losses(db: DB, image_size: int | None = None) -> Rows:
+    """Table 1: train and validation loss (1 - MS-SSIM) of the final epoch, SSIM and PSNR."""
+    rows = []
+    for (name, size, batch, device), runs in _groups(load_runs(db)).items():
+        done = [r for r in runs if r["status"] == "ok" and r["last_epoch"]]
+        if (image_size is not None and size != image_size) or not done:
+            continue
+        last = [r["last_epoch"] for r in done]
+        rows.append({"name": name, "image_size": size, "batch_size": batch, "device": device,
+                     "epochs": max(e["epoch"] for e in last) + 1,
+                     "train_loss": _avg([e["train_loss"] for e in last]),
+                     "val_loss": _avg([e["val_loss"] for e in last]),
+                     "val_ssim": _avg([e["val_ssim"] for e in last]),
+                     "val_psnr": _avg([e["val_psnr"] for e in last]), "runs": len(done)})
+    return sorted(rows, key=_key)
+
+
+def memory_ratios(db: DB, baseline: str = BASELINE) -> Rows:
+    """Fig. 2: each phase's peak MB divided by the baseline's at the same size, batch, device."""
+    table = phase_memory(db)
+    base = {(r["image_size"], r["batch_size"], r["device"]): r for r in table
+            if r["name"] == baseline and r["status"] == "ok"}
+    rows = []
+    for r in table:
+        b = base.get((r["image_size"], r["batch_size"], r["device"]))
+        if b is None or r["name"] == baseline or not r["status"].startswith("ok"):
+            continue
+        row = {k: r[k] for k in ("name", "image_size", "batch_size", "device")}
+        for phase in TRAIN_PHASES:
+            num, den = r[f"{phase}_mb"], b[f"{phase}_mb"]
+            row[phase] = num / den if num is not None and den else None
+        rows.append(row)
+    return rows
+
+
+def memory_vs_resolution(db: DB) -> Rows:
+    """Absolute peak MB (what a budget caps) of every run by technique set and size, maxres
+    probes included: a failed run keeps its status so plots can mark where it stopped."""
+    rows = []
+    for r in load_runs(db, probes=True):
+        peak = max(r["peaks"].values(), default=None)
+        rows.append({"name": r["name"], "image_size": r["image_size"], "batch_size": r["batch_size"],
+                     "device": _device(r), "status": r["status"], "failed_phase": r["failed_phase"],
+                     "peak_mb": mb(peak), "budget_mb": mb(r["env"].get("budget_bytes"))})
+    return sorted(rows, key=lambda x: (x["device"], x["name"], x["image_size"]))
+
+
+def largest_size(db: DB) -> Rows:
+    """The largest trainable size under a budget per technique set (memstudy maxres)."""
+    return [{"name": r["name"], "budget": r["budget"], "device": r["gpu_name"] or r["device"],
+             "batch_size": r["batch_size"], "predicted_px": r["predicted_px"],
+             "found_px": r["found_px"], "peak_mb": mb(r["peak_bytes"]),
+             "step_time_s": r["step_time_s"], "fit_phase": r["fit_phase"], "error": r["error"]}
+            for r in load_maxres(db)]
+
+
+# Columns of each table for rendering: (row key, header).
+COLUMNS: dict[str, list[tuple[str, str]]] = {
+    "phase_memory": [("name", "techniques"), ("image_size", "px"), ("batch_size", "batch"),
+                     ("device", "device"), ("forward_mb", "Forward MB"), ("backward_mb", "Backward MB"),
+                     ("step_mb", "Step MB"), ("peak_total_mb", "peak total MB"),
+                     ("step_time_s", "step s"), ("epoch_time_s", "epoch s"), ("status", "status"),
+                     ("runs", "runs")],
+    "losses": [("name", "techniques"), ("image_size", "px"), ("batch_size", "batch"),
+               ("device", "device"), ("epochs", "epochs"), ("train_loss", "train loss"),
+               ("val_loss", "val loss"), ("val_ssim", "val SSIM"), ("val_psnr", "val PSNR dB"),
+               ("runs", "runs")],
+    "memory_ratios": [("name", "techniques"), ("image_size", "px"), ("batch_size", "batch"),
+                      ("device", "device"), ("forward", "Forward"), ("backward", "Backward"),
+                      ("step", "Step")],
+    "largest_size": [("name", "techniques"), ("budget", "budget"), ("device", "device"),
+                     ("batch_size", "batch"), ("predicted_px", "predicted px"),
+                     ("found_px", "found px"), ("peak_mb", "peak MB"), ("step_time_s", "step s"),
+                     ("error", "error")],
+}
+
+TITLES = {"phase_memory": "Per-phase peak memory (MB above the phase's start) and time",
+          "losses": "Loss (1 - MS-SSIM) of the final epoch, validation SSIM and PSNR",
+          "memory_ratios": "Peak memory relative to original, per phase (smaller is better)",
+          "largest_size": "Largest trainable square size under the budget"}
+
+TABLES = {"phase_memory": phase_memory, "losses": losses, "memory_ratios": memory_ratios,
+          "largest_size": largest_size}
+
+
+PRECISION = {"train_loss": 4, "val_loss": 4, "val_ssim": 4, "val_psnr": 2, "step_time_s": 3,
+             "epoch_time_s": 2, "forward": 3, "backward": 3, "step": 3}  # MB: 2 decimals
+
+
+def as_cells(table: str, rows: Rows, raw: bool = False) -> tuple[list[str], list[list[Any]]]:
+    """Headers and cells of a table; floats rounded for reading unless `raw` (CSV)."""
+    cols = COLUMNS[table]
+    cells = [[_fmt(row.get(k), PRECISION.get(k, 2), raw) for k, _h in cols] for row in rows]
+    return [h for _k, h in cols], cells
+
+
+def _fmt(value: Any, digits: int, raw: bool) -> Any:
+    return f"{value:.{digits}f}" if isinstance(value, float) and not raw else value
