@@ -18,6 +18,7 @@ attenuation, as radiographs are displayed (bone bright, air dark).
 """
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ _SMOOTH_GRID = 1024  # smooth soft tissue is evaluated on at most this many px p
 _SHIFT = 4  # fixed-point bits of cv2 drawing coordinates (1/16 px)
 _MARROW = 0.45  # marrow / cortical attenuation: bones show a dense cortical shell
 _PHOTONS_NATIVE = 20000.0  # unattenuated photons per native (1/4188 of the side) pixel
-_OFFSET, _GAIN = 0.5, 13000.0  # 16-bit value = (line integral + offset) * gain
+_OFFSET, _GAIN = 0.5, 12000.0  # 16-bit value = (line integral + offset) * gain
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,11 @@ class Pose:
     scale: float
 
     def to_image(self, u, v):
-        c, s = np.cos(np.radians(self.angle)), np.sin(np.radians(self.angle))
+        c, s = math.cos(math.radians(self.angle)), math.sin(math.radians(self.angle))
         return self.cx + self.scale * (u * c - v * s), self.cy + self.scale * (u * s + v * c)
 
-    def to_body(self, x, y):
-        c, s = np.cos(np.radians(self.angle)), np.sin(np.radians(self.angle))
+    def to_body(self, x, y):  # python-float coefficients keep float32 grids float32
+        c, s = math.cos(math.radians(self.angle)), math.sin(math.radians(self.angle))
         dx, dy = x - self.cx, y - self.cy
         return (dx * c + dy * s) / self.scale, (-dx * s + dy * c) / self.scale
 
@@ -80,21 +81,18 @@ def _check_int(name: str, value, minimum: int) -> int:
     return int(value)
 
 
-def _ellipse_points(cu, cv, a, b, angle=0.0, power=2.0, n=48):
+def _ellipse_points(cu, cv, a, b, power=2.0, n=48):
     """Closed outline of an (super)ellipse in body coordinates; power 4 = rounded rectangle."""
     t = np.linspace(0, 2 * np.pi, n, endpoint=False)
     c, s = np.cos(t), np.sin(t)
-    x = a * np.sign(c) * np.abs(c) ** (2 / power)
-    y = b * np.sign(s) * np.abs(s) ** (2 / power)
-    ca, sa = np.cos(np.radians(angle)), np.sin(np.radians(angle))
-    return np.stack([cu + x * ca - y * sa, cv + x * sa + y * ca], axis=1)
+    return np.stack([cu + a * np.sign(c) * np.abs(c) ** (2 / power),
+                     cv + b * np.sign(s) * np.abs(s) ** (2 / power)], axis=1)
 
 
 def _sample_anatomy(rng: np.random.Generator) -> _Anatomy:
     """Every random choice of one phantom, in body coordinates (no dependence on size)."""
-    pose = Pose(rng.uniform(-0.04, 0.04), rng.uniform(-0.04, 0.04), rng.uniform(-8, 8),
-                rng.uniform(0.92, 1.02))
-    peak, ax, ay = rng.uniform(2.2, 2.8), rng.uniform(0.50, 0.60), rng.uniform(0.80, 0.87)
+    pose = Pose(*(float(x) for x in rng.uniform([-0.04, -0.04, -8, 0.92], [0.04, 0.04, 8, 1.02])))
+    peak, ax, ay = (float(x) for x in rng.uniform([2.2, 0.50, 0.80], [2.8, 0.60, 0.87]))
     fat = rng.uniform(0.06, 0.12)  # fat layer thickness, fraction of the torso radius
     anat = _Anatomy(pose, (0.0, 0.04, ax, ay, 0.0, 0.88 * peak),
                     rng.standard_normal((24, 24)).astype(np.float32))
@@ -134,7 +132,7 @@ def _add_skeleton(anat: _Anatomy, rng: np.random.Generator, ax: float, ay: float
         for side in (-1, 1):
             pts = np.array([[u + side * half_w, v], [u + side * 1.9 * half_w, v - 0.1 * spacing]])
             bones.append((0, "tube", pts, 0.25 * spacing))
-    rib_spacing, rise, width = rng.uniform(0.07, 0.085), rng.uniform(0.45, 0.7), rng.uniform(0.018, 0.024)
+    rib_spacing, rise, width = rng.uniform([0.07, 0.45, 0.018], [0.085, 0.7, 0.024])
     t = np.radians(np.linspace(200, 400, 40))
     for i in range(int(rng.integers(9, 14))):  # ribs: arcs from the spine out and down the wall
         v0 = -0.74 + i * rib_spacing
@@ -143,12 +141,16 @@ def _add_skeleton(anat: _Anatomy, rng: np.random.Generator, ax: float, ay: float
         for side in (-1, 1):
             pts = np.stack([side * (0.03 + a + a * np.cos(t)), v0 + 0.34 * b + b * np.sin(t)], 1)
             bones.append((1, "tube", pts, width))
+    tissue = anat.torso[5]  # neck and tail: soft tissue around the spine outside the torso
+    anat.capsules.append((0.0, -0.7, 0.0, -1.2, rng.uniform(0.12, 0.16), 0.55 * tissue))
+    anat.capsules.append((0.0, 0.8, 0.0, 1.2, rng.uniform(0.05, 0.07), 0.3 * tissue))
     for side in (-1, 1):  # pelvis, fore and hind limbs (soft tissue capsule + long bone)
         bones.append((1, "tube", np.array([[side * 0.05, 0.62], [side * 0.28, 0.80]]), 0.05))
-        for start, end in (((0.42, -0.62), (rng.uniform(0.8, 0.95), rng.uniform(-1.15, -0.95))),
+        for start, end in (((0.32, -0.6), (rng.uniform(0.8, 0.95), rng.uniform(-1.15, -0.95))),
                            ((0.28, 0.80), (rng.uniform(0.5, 0.65), rng.uniform(1.05, 1.2)))):
             p0, p1 = np.array([side * start[0], start[1]]), np.array([side * end[0], end[1]])
-            anat.capsules.append((*p0, *p1, rng.uniform(0.08, 0.11), rng.uniform(0.5, 0.7) * anat.torso[5]))
+            radius, depth = rng.uniform(0.08, 0.11), rng.uniform(0.5, 0.7)
+            anat.capsules.append((*p0, *p1, radius, depth * tissue))
             w = rng.uniform(0.04, 0.05)
             shaft = np.stack([p0 + 0.05 * (p1 - p0), p1])
             bones.append((0, "tube", shaft, w))
@@ -188,23 +190,24 @@ def _body_grid(n: int, pose: Pose, rows: slice, cols: slice):
 
 def _box(n: int, pose: Pose, cu: float, cv: float, radius: float) -> tuple[slice, slice]:
     """Pixel rows/cols of an n x n grid that can hold a shape of this body-frame radius."""
-    x, y = pose.to_image(cu, cv)
-    r = radius * pose.scale
-    lo = lambda c: int(np.clip(np.floor((c - r + 1) * n / 2) - 1, 0, n))  # noqa: E731
-    hi = lambda c: int(np.clip(np.ceil((c + r + 1) * n / 2) + 1, 0, n))  # noqa: E731
-    return slice(lo(y), hi(y)), slice(lo(x), hi(x))
+    centre, r = np.array(pose.to_image(cu, cv)), radius * pose.scale
+    lo = np.clip(np.floor((centre - r + 1) * n / 2) - 1, 0, n).astype(int)
+    hi = np.clip(np.ceil((centre + r + 1) * n / 2) + 1, 0, n).astype(int)
+    return slice(lo[1], hi[1]), slice(lo[0], hi[0])
 
 
 def _add_ellipsoid(out: np.ndarray, pose: Pose, cu, cv, a, b, angle, peak) -> None:
+    cu, cv, a, b, peak = float(cu), float(cv), float(a), float(b), float(peak)
     rows, cols = _box(out.shape[0], pose, cu, cv, max(a, b))
     u, v = _body_grid(out.shape[0], pose, rows, cols)
-    ca, sa = np.cos(np.radians(angle)), np.sin(np.radians(angle))
+    ca, sa = math.cos(math.radians(angle)), math.sin(math.radians(angle))
     du, dv = u - cu, v - cv
     r2 = ((du * ca + dv * sa) / a) ** 2 + ((-du * sa + dv * ca) / b) ** 2
     out[rows, cols] += peak * np.sqrt(np.maximum(1 - r2, 0))  # path length through an ellipsoid
 
 
 def _add_capsule(out: np.ndarray, pose: Pose, u0, v0, u1, v1, radius, peak) -> None:
+    u0, v0, u1, v1, radius, peak = (float(x) for x in (u0, v0, u1, v1, radius, peak))
     mid, half = ((u0 + u1) / 2, (v0 + v1) / 2), np.hypot(u1 - u0, v1 - v0) / 2
     rows, cols = _box(out.shape[0], pose, *mid, half + radius)
     u, v = _body_grid(out.shape[0], pose, rows, cols)
@@ -263,11 +266,6 @@ def _bones(anat: _Anatomy, size: int) -> tuple[np.ndarray, np.ndarray]:
     return bone, vessels
 
 
-def _rasterise(anat: _Anatomy, size: int) -> PhantomLayers:
-    bone, vessels = _bones(anat, size)
-    return PhantomLayers(_soft_tissue(anat, size), bone, vessels, anat.torso[5])
-
-
 def _detect(mu: np.ndarray, rng: np.random.Generator, size: int) -> np.ndarray:
     """Heel effect, scatter, quantum noise, log conversion to 16 bits."""
     grid = (np.arange(64, dtype=np.float32) + 0.5) / 32 - 1
@@ -277,10 +275,9 @@ def _detect(mu: np.ndarray, rng: np.random.Generator, size: int) -> np.ndarray:
         * (1 - rng.uniform(0.03, 0.08) * (x * x + y * y) / 2)
     primary = np.exp(-cv2.resize(mu, (64, 64), interpolation=cv2.INTER_AREA))
     scatter = heel * rng.uniform(0.03, 0.08) * cv2.GaussianBlur(primary, (0, 0), 5.0)
-    up = lambda f: cv2.resize(f.astype(np.float32), (size, size), interpolation=cv2.INTER_LINEAR)  # noqa: E731
     signal = np.exp(-mu)
-    signal *= up(heel)
-    signal += up(scatter)
+    signal *= cv2.resize(heel.astype(np.float32), (size, size), interpolation=cv2.INTER_LINEAR)
+    signal += cv2.resize(scatter.astype(np.float32), (size, size), interpolation=cv2.INTER_LINEAR)
     photons = _PHOTONS_NATIVE * (NATIVE_SIZE / size) ** 2  # binned native pixels
     noise = rng.standard_normal((size, size), dtype=np.float32)
     noise *= np.sqrt(signal * np.float32(1 / photons))
@@ -292,19 +289,22 @@ def _detect(mu: np.ndarray, rng: np.random.Generator, size: int) -> np.ndarray:
     return np.clip(out, 0, 65535, out=out).round(out=out).astype(np.uint16)
 
 
+def _layers(size: int, seed: int, index: int) -> tuple[PhantomLayers, np.random.Generator]:
+    size = _check_int("size", size, MIN_SIZE)
+    rng = np.random.default_rng((_check_int("seed", seed, 0), _check_int("index", index, 0)))
+    anat = _sample_anatomy(rng)  # all anatomy draws first: the same at every size
+    bone, vessels = _bones(anat, size)
+    return PhantomLayers(_soft_tissue(anat, size), bone, vessels, anat.torso[5]), rng
+
+
 def phantom_layers(size: int, seed: int, index: int = 0) -> PhantomLayers:
     """The noise-free line-integral layers of `make_phantom(size, seed, index)`."""
-    size, seed, index = _check_int("size", size, MIN_SIZE), _check_int("seed", seed, 0), \
-        _check_int("index", index, 0)
-    return _rasterise(_sample_anatomy(np.random.default_rng((seed, index))), size)
+    return _layers(size, seed, index)[0]
 
 
 def make_phantom(size: int, seed: int, index: int = 0) -> np.ndarray:
     """A synthetic radiograph, uint16 (size, size); higher value = more attenuation."""
-    size, seed, index = _check_int("size", size, MIN_SIZE), _check_int("seed", seed, 0), \
-        _check_int("index", index, 0)
-    rng = np.random.default_rng((seed, index))
-    layers = _rasterise(_sample_anatomy(rng), size)
+    layers, rng = _layers(size, seed, index)
     mu = layers.soft
     mu += layers.bone
     mu += layers.vessels

@@ -66,8 +66,21 @@ def default_optimizer(config: RunConfig):
     return factory
 
 
+def reset_global_numerics() -> None:
+    """Plain float32 unless a technique says otherwise (`amp:tf32` turns TF32 on).
+
+    PyTorch lets cuDNN convolutions use TF32 by default on Ampere and later GPUs; the study's
+    "Original" is true float32, and a run must not inherit the settings of a previous run in
+    the same process.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
 def build_pipeline(plan: Plan) -> Build:
     config = plan.config
+    reset_global_numerics()
     runtime = Runtime(device=plan.device, batch_size=config.train.batch_size,
                       loss_fn=MSSSIMLoss(config.train.msssim_scales),
                       optimizer_factory=default_optimizer(config))

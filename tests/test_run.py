@@ -1,0 +1,132 @@
+"""`memstudy run` end to end: training works, every outcome is recorded or refused cleanly."""
+import sqlite3
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from memstudy.cli import main
+from memstudy.errors import ConfigError
+from memstudy.runner import execute
+from memstudy.runtime import Runtime
+from memstudy.store import ResultsDB
+
+
+def _snapshot(db: ResultsDB):
+    con = sqlite3.connect(db.path)
+    try:
+        return {t: con.execute(f"SELECT * FROM {t} ORDER BY 1, 2, 3").fetchall()
+                for t in ("runs", "metrics", "epochs", "series")}
+    finally:
+        con.close()
+
+
+@pytest.fixture
+def db_with_a_run(tmp_path, make_config):
+    db = ResultsDB(tmp_path / "r.sqlite")
+    assert execute(make_config(192, validate=False), db).status == "ok"
+    return db
+
+
+def test_training_on_phantoms_lowers_validation_loss(make_config):
+    cfg = make_config(192, epochs=4, lr=2e-3)
+    cfg.data.train_images, cfg.data.val_images = 4, 2
+    rec = execute(cfg, db=None)
+    assert rec.status == "ok", rec.error
+    val = [e["val_loss"] for e in rec.epochs]
+    assert val[-1] < val[0] - 0.02, val
+    assert all(np.isfinite(v) for v in val)
+
+
+def test_out_of_memory_is_recorded_with_its_phase(db_with_a_run, make_config, monkeypatch):
+    before = _snapshot(db_with_a_run)
+
+    def oom(self, loss):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    monkeypatch.setattr(Runtime, "backward", oom)
+    rec = execute(make_config(192), db_with_a_run)
+    assert (rec.status, rec.failed_phase) == ("oom", "backward")
+    after = _snapshot(db_with_a_run)
+    runs = db_with_a_run.runs()
+    assert [r["status"] for r in runs] == ["ok", "oom"]
+    assert "injected" in runs[-1]["error"]
+    for table, rows in before.items():  # nothing already recorded is lost or changed
+        assert set(rows) <= set(after[table])
+
+
+def test_nan_loss_is_recorded_as_diverged(db_with_a_run, make_config, monkeypatch):
+    monkeypatch.setattr(Runtime, "forward", lambda self, m, x, y: m(x).sum() * float("nan"))
+    rec = execute(make_config(192), db_with_a_run)
+    assert (rec.status, rec.failed_phase) == ("diverged", "forward")
+    assert "train.lr" in rec.error
+    assert [r["status"] for r in db_with_a_run.runs()] == ["ok", "diverged"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(image_size=200), "multiple of 32"),
+    (dict(image_size=128), "minimum is 161"),
+    (dict(device="cuda"), "train.device"),
+    (dict(batch_size=0), "train.batch_size"),
+    (dict(optimizer="lion"), "train.optimizer"),
+])
+def test_bad_config_is_refused_and_records_nothing(db_with_a_run, make_config, change, message):
+    if change.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    before = _snapshot(db_with_a_run)
+    cfg = make_config(**{"size": change.pop("image_size", 192)}, **change)
+    with pytest.raises(ConfigError, match=message):
+        execute(cfg, db_with_a_run)
+    assert _snapshot(db_with_a_run) == before
+
+
+def test_unknown_technique_lists_the_valid_names(make_config):
+    with pytest.raises(ConfigError, match="unknown technique 'teleport'; valid"):
+        execute(make_config(192, techniques=["teleport"]), db=None)
+
+
+def test_bad_image_path_is_refused_and_records_nothing(db_with_a_run, make_config, tmp_path):
+    before = _snapshot(db_with_a_run)
+    cfg = make_config(192)
+    cfg.data.source, cfg.data.path = "folder", str(tmp_path / "no-such-folder")
+    with pytest.raises(ValueError, match="no-such-folder"):
+        execute(cfg, db_with_a_run)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for i in (2, 3):
+        cv2.imwrite(str(bad / f"scan_0{i}.png"), np.full((64, 64), 40 * i, np.uint8))
+    (bad / "scan_01.png").write_bytes(b"\x89PNG not really")
+    cfg.data.path = str(bad)
+    with pytest.raises(ValueError, match="scan_01.png"):
+        execute(cfg, db_with_a_run)
+    assert _snapshot(db_with_a_run) == before
+
+
+def test_a_failed_write_leaves_no_half_written_run(db_with_a_run, make_config):
+    rec = execute(make_config(192, validate=False), db=None)
+    rec.metrics.append(rec.metrics[0])  # duplicate primary key: the insert fails midway
+    before = _snapshot(db_with_a_run)
+    with pytest.raises(sqlite3.IntegrityError):
+        db_with_a_run.record(rec)
+    assert _snapshot(db_with_a_run) == before
+
+
+def test_cli_run_prints_the_phase_table_and_stores_the_run(tmp_path, capsys):
+    db = tmp_path / "cli.sqlite"
+    code = main(["--db", str(db), "run", "--size", "192", "--device", "cpu", "-q",
+                 "--set", "data.train_images=2", "--set", "data.val_images=1",
+                 "--set", "train.measure_steps=1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for word in ("forward", "backward", "step", "peak MB", "time per step", "stored in"):
+        assert word in out
+    assert len(ResultsDB(db).runs()) == 1
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
+    code = main(["--db", str(tmp_path / "x.sqlite"), "run", "--size", "96", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "train.image_size" in err and "Traceback" not in err
+    code = main(["--db", str(tmp_path / "x.sqlite"), "run", "--set", "train.nope=1"])
+    assert code == 2 and "no such setting" in capsys.readouterr().err
