@@ -1,0 +1,137 @@
+"""Tri-Accel parts on the CPU: power iteration, per-unit Hessian blocks, precision thresholds and
+wrappers, and option checks. The elastic batch controller is in test_triaccel_elastic.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from memstudy.errors import ConfigError
+from memstudy.techniques.compose import build_pipeline, make_plan
+from memstudy.triaccel.curvature import power_iteration, unit_eigenvalues
+from memstudy.triaccel.precision import LEVELS, VarianceEMA, assign_precision
+
+
+def _quadratic(eigs: list[float], seed: int = 0):
+    """f(w) = 0.5 w^T A w over two parameter tensors (3 + 3 entries), A with known spectrum."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(6, 6, generator=g, dtype=torch.float64))
+    a = (q @ torch.diag(torch.tensor(eigs, dtype=torch.float64)) @ q.T).float()
+    params = [nn.Parameter(torch.randn(3, generator=g)), nn.Parameter(torch.randn(3, generator=g))]
+
+    def hvp(v):
+        w = torch.cat(params)
+        grad = torch.autograd.grad(0.5 * w @ a @ w, params, create_graph=True)
+        return torch.autograd.grad(grad, params, grad_outputs=v)
+
+    return params, hvp
+
+
+def test_power_iteration_finds_top_eigenvalue():
+    params, hvp = _quadratic([9.0, 4.0, 2.0, 1.0, 0.5, 0.1])
+    (lam,) = power_iteration(hvp, params, k=1, iters=200, tol=1e-7,
+                             generator=torch.Generator().manual_seed(1))
+    assert lam == pytest.approx(9.0, rel=1e-3)
+
+
+def test_power_iteration_deflation_finds_top_two():
+    params, hvp = _quadratic([-1.0, 6.0, 3.0, 1.5, 0.5, 0.2])
+    lams = power_iteration(hvp, params, k=2, iters=300, tol=1e-8,
+                           generator=torch.Generator().manual_seed(2))
+    assert lams == pytest.approx([6.0, 3.0], rel=1e-3)
+
+
+def test_unit_eigenvalues_are_those_of_each_hessian_block_and_keep_bn_stats():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+    x, y = torch.randn(8, 3), torch.randn(8, 2)
+    loss_fn = nn.MSELoss()
+    units = {"first": list(model[0].parameters()), "last": list(model[3].parameters())}
+    running = model[1].running_mean.clone()
+    got = unit_eigenvalues(model, loss_fn, x, y, units, k=1, iters=500,
+                           generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model[1].running_mean, running)  # the estimate did not train BN
+    for name, params in units.items():
+        exact = _block_hessian_eigs(model, loss_fn, x, y, params)
+        top = exact[exact.abs().argmax()].item()
+        assert got[name][0] == pytest.approx(top, rel=1e-2, abs=1e-5)
+
+
+def _block_hessian_eigs(model, loss_fn, x, y, params) -> torch.Tensor:
+    names = {id(p): n for n, p in model.named_parameters()}
+    keys, shapes = [names[id(p)] for p in params], [p.shape for p in params]
+    flat0 = torch.cat([p.detach().reshape(-1) for p in params])
+    saved = [b.clone() for b in model.buffers()]
+
+    def f(flat):
+        chunks, pos = {}, 0
+        for k, s in zip(keys, shapes):
+            chunks[k] = flat[pos:pos + s.numel()].reshape(s)
+            pos += s.numel()
+        return loss_fn(torch.func.functional_call(model, chunks, (x,)), y)
+
+    h = torch.autograd.functional.hessian(f, flat0)
+    with torch.no_grad():
+        for b, s in zip(model.buffers(), saved):
+            b.copy_(s)
+    return torch.linalg.eigvalsh(h.double())
+
+
+@pytest.mark.parametrize("var, low, expected", [
+    (1e-8, "fp16", "fp16"), (1e-6, "fp16", "bf16"), (5e-4, "fp16", "bf16"), (1e-3, "fp16", "fp32"),
+    (1.0, "fp16", "fp32"), (1e-8, "bf16", "bf16"), (2e-3, "bf16", "fp32")])
+def test_precision_follows_thresholds(var, low, expected):
+    assert assign_precision(var, tau_low=1e-6, tau_high=1e-3, low=low) == expected
+
+
+def test_variance_ema():
+    ema = VarianceEMA(beta=0.9)
+    ema.update(torch.tensor([1.0, 2.0]))
+    ema.update(torch.tensor([3.0, 0.0]))
+    torch.testing.assert_close(ema.value, torch.tensor([0.9 + 0.3, 1.8]))
+
+
+def _controller(make_config, technique: str):
+    build = build_pipeline(make_plan(make_config(techniques=[technique])))
+    (hook,) = build.runtime.step_hooks
+    return build, hook.__self__
+
+
+def test_control_step_sets_unit_precisions_and_forward_dtypes(make_config):
+    build, ctrl = _controller(make_config, "tri_accel:low=bf16:curvature=off:elastic=off:"
+                                           "tau_low=1e-6:tau_high=1e-3")
+    names = [u.name for u in ctrl.units]
+    variances = [1e-2 if n in ("stem", "decoder.4") else 1e-4 for n in names]
+    ctrl.ema = VarianceEMA(0.9)
+    ctrl.ema.update(torch.tensor(variances))
+    ctrl.control(step=10)
+    assert ctrl.precision.levels["stem"] == "fp32" and ctrl.precision.levels["encoder.layer2"] == "bf16"
+    rows = {name: v for _, step, name, v in ctrl.series() if step == 10}
+    assert rows["tri/precision/decoder.4"] == LEVELS.index("fp32")
+    assert rows["tri/precision/head"] == LEVELS.index("bf16")
+    seen = {}
+
+    def remember(name):
+        def hook(module, args, output):
+            seen.setdefault(name, output.dtype)
+        return hook
+
+    for unit in ctrl.units:  # each unit's output dtype tells the precision it computed in
+        unit.modules[0 if unit.name == "stem" else -1].register_forward_hook(remember(unit.name))
+    out = build.model(torch.rand(1, 1, 64, 64))
+    assert out.dtype == torch.float32  # the loss always sees float32
+    assert seen["stem"] == torch.float32 and seen["decoder.4"] == torch.float32
+    assert seen["encoder.layer2"] == torch.bfloat16 and seen["head"] == torch.bfloat16
+
+
+@pytest.mark.parametrize("technique, match", [
+    ("tri_accel", "low=bf16"),  # fp16 on the CPU is refused, naming the option
+    ("tri_accel:low=bf16", "budget"),  # elastic on the CPU needs a budget to steer by
+    ("tri_accel:low=bf16:elastic=off:t_ctrl=10:t_curv=15", "multiple of t_ctrl"),
+    ("tri_accel:precision=off:curvature=off:elastic=off", "does nothing"),
+    ("tri_accel:low=bf16:elastic=off:stats=triton", "stats=auto"),
+    ("tri_accel:low=bf16:elastic=off:curv_crop=96", "curv_crop"),
+])
+def test_bad_options_are_refused_by_name(make_config, technique, match):
+    with pytest.raises(ConfigError, match=match):
+        make_plan(make_config(techniques=[technique]))
