@@ -14,6 +14,10 @@ from memstudy.store import ResultsDB
 
 TRAIN_PHASES = ("forward", "backward", "step")
 PROBE_LABEL = "maxres probe"  # label of maxres probes (memstudy.maxres)
+# Ranks of a distributed run's merged rows (memstudy.distributed.records; kept here so this
+# module needs no torch): the mean over ranks, as the study reports per GPU, and the maximum,
+# which decides whether a run fits a budget.
+RANK_MEAN, RANK_MAX = -1, -2
 
 
 def open_db(db: str | Path | ResultsDB) -> ResultsDB:
@@ -49,14 +53,16 @@ def absolute_phase_peaks(metrics: dict[str, dict[str, float]], env: dict) -> dic
 
 
 def load_runs(db: str | Path | ResultsDB, probes: bool = False) -> list[dict[str, Any]]:
-    """Every run as a dict: the runs row, `metrics` {phase: {name: value}}, `env`, `config`,
-    `last_epoch` (losses of the final epoch, rank 0) and `peaks` (absolute phase peaks).
+    """Every run as a dict: the runs row, `metrics` {phase: {name: value}} (a distributed run:
+    the mean over ranks), `env`, `config`, `last_epoch` (losses of the final epoch, rank 0)
+    and `peaks` (absolute phase peaks; a distributed run: the maximum over ranks).
     maxres probes are left out unless `probes`."""
     db = open_db(db)
     runs = db.runs()
-    metrics: dict[int, dict[str, dict[str, float]]] = {}
-    for row in db.query("SELECT run_id, phase, name, value FROM metrics WHERE rank = 0"):
-        metrics.setdefault(row["run_id"], {}).setdefault(row["phase"], {})[row["name"]] = row["value"]
+    metrics: dict[tuple[int, int], dict[str, dict[str, float]]] = {}
+    for row in db.query("SELECT run_id, rank, phase, name, value FROM metrics WHERE rank <= 0"):
+        by_phase = metrics.setdefault((row["run_id"], row["rank"]), {})
+        by_phase.setdefault(row["phase"], {})[row["name"]] = row["value"]
     last: dict[int, dict[str, Any]] = {}
     for row in db.query("SELECT * FROM epochs WHERE rank = 0 ORDER BY run_id, epoch"):
         last[row["run_id"]] = row
@@ -64,11 +70,12 @@ def load_runs(db: str | Path | ResultsDB, probes: bool = False) -> list[dict[str
     for run in runs:
         if run["label"] == PROBE_LABEL and not probes:
             continue
-        run["metrics"] = metrics.get(run["id"], {})
+        own = metrics.get((run["id"], 0), {})
+        run["metrics"] = metrics.get((run["id"], RANK_MEAN), own)
         run["env"] = json.loads(run.pop("env_json"))
         run["config"] = json.loads(run.pop("config_json"))
         run["last_epoch"] = last.get(run["id"])
-        run["peaks"] = absolute_phase_peaks(run["metrics"], run["env"])
+        run["peaks"] = absolute_phase_peaks(metrics.get((run["id"], RANK_MAX), own), run["env"])
         out.append(run)
     return out
 
