@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from memstudy.config import RunConfig, load_toml, set_value, split_techniques
+from memstudy.distributed.context import RANK_MAX, RANK_MEAN
 from memstudy.errors import ConfigError, MemstudyError
 from memstudy.runner import eprint, execute
 from memstudy.store import ResultsDB, default_db_path
@@ -54,6 +55,15 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    from memstudy.distributed.launch import launched_by_torchrun, run_distributed
+
+    if cfg.world_size > 1 or launched_by_torchrun():  # docs/distributed.md
+        rec = run_distributed(cfg, args.db, None if args.quiet else eprint)
+        if rec is None:  # a torchrun rank other than 0: rank 0 reports the run
+            return 0
+        print(summarize(rec))
+        print(f"stored in {args.db}")
+        return 0 if rec.status == "ok" else 1
     db = ResultsDB(args.db)
     rec = execute(cfg, db, progress=None if args.quiet else eprint)
     print(summarize(rec))
@@ -66,9 +76,15 @@ def summarize(rec) -> str:
     head = (f"{rec.name} | {t['image_size']} px | batch {t['batch_size']} | {rec.env.get('gpu_name') or rec.env['device']}"
             f" | status {rec.status}" + (f" in {rec.failed_phase}: {rec.error}" if rec.failed_phase else ""))
     metrics: dict[str, dict[str, float]] = {}
-    for _rank, phase, name, value in rec.metrics:
-        metrics.setdefault(phase, {})[name] = value
+    world = rec.config.get("world_size", 1)
+    shown = 0 if world == 1 else RANK_MAX  # distributed: the maximum over ranks decides fit
+    for rank, phase, name, value in rec.metrics:
+        if rank == shown:
+            metrics.setdefault(phase, {})[name] = value
     lines = [head]
+    if world > 1:
+        lines.append(f"per-rank maximum over {world} ranks (each rank's rows, and the mean as "
+                     f"rank {RANK_MEAN}, are in the database)")
     if any(p in metrics for p in ("forward", "backward", "step")):
         lines.append(phase_table(metrics))
     run = metrics.get("run", {})

@@ -49,6 +49,13 @@ class Runtime:
     # Extra per-step rows (rank, step, name, value) a technique records; the runner stores them
     # in `series` with the loop's own rows. Names must not repeat within a step.
     series_sources: list[Callable[[], list[tuple[int, int, str, float]]]] = field(default_factory=list)
+    rank: int = 0  # process rank that produced the records (distributed runs)
+    # (index, count): this process draws shard `index` of each global batch of batch_size *
+    # count images (data parallel); (0, 1) draws the whole batch.
+    shard: tuple[int, int] = (0, 1)
+    # Replaces forward + backward of a step (pipeline schedules fuse them): (model, x, y) ->
+    # detached loss; recorded as one phase, "forward_backward".
+    forward_backward: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def set_saved_tensor_transform(self, pack: PackHook, unpack: UnpackHook, owner: str) -> None:
         if self.saved_tensor_transform is not None:

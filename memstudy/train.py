@@ -53,7 +53,10 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
         t0, losses, pos = time.perf_counter(), [], 0
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed + epoch))
         while pos < len(order) and state.step < total:
-            indices = order[pos:pos + rt.batch_size].tolist()
+            chunk = _global_batch(order, pos, rt)
+            if chunk is None:
+                break
+            indices = chunk[rt.shard[0]::rt.shard[1]].tolist()
             x, y = make_batch(train_set, indices, in_device)
             measured = first_measured <= state.step < last_measured
             try:
@@ -62,18 +65,18 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
                 if not _retry_after_oom(failure, rt, optimizer, state):
                     raise
                 continue
-            pos += len(indices)
+            pos += len(chunk)
             state.step += 1
             losses.append(loss)
-            state.series.append((0, state.step, "loss", loss))
-            state.series.append((0, state.step, "batch_size", len(indices)))
+            state.series.append((rt.rank, state.step, "loss", loss))
+            state.series.append((rt.rank, state.step, "batch_size", len(indices)))
             info = StepInfo(step=state.step, epoch=epoch, loss=loss, batch_size=len(indices),
                             optimizer=optimizer)
             for hook in rt.step_hooks:
                 hook(info)
             if progress and (state.step % 10 == 0 or state.step == 1):
                 progress(f"epoch {epoch + 1}/{cfg.epochs} step {state.step} loss {loss:.4f}")
-        record = {"rank": 0, "epoch": epoch, "steps": state.step,
+        record = {"rank": rt.rank, "epoch": epoch, "steps": state.step,
                   "train_loss": sum(losses) / len(losses) if losses else None,
                   "time_s": time.perf_counter() - t0}
         if cfg.validate:
@@ -86,19 +89,34 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
     return state
 
 
+def _global_batch(order: torch.Tensor, pos: int, rt) -> torch.Tensor | None:
+    """The next global batch; data parallel ranks take interleaved shards of it (as
+    DistributedSampler does), and an incomplete last one is dropped so every rank steps."""
+    count = rt.shard[1]
+    chunk = order[pos:pos + rt.batch_size * count]
+    return None if count > 1 and len(chunk) < rt.batch_size * count else chunk
+
+
 def _train_step(model, rt, optimizer, recorder, state, x, y, measured) -> float:
     phase = "forward"
     try:
         with recorder.step(measured):
-            with recorder.phase("forward"):
-                loss = rt.forward(model, x, y)
-                value = loss.item()
-            if not math.isfinite(value):
-                raise Diverged("forward", state.step + 1, value)
-            phase = "backward"
-            with recorder.phase("backward"):
-                rt.backward(loss)
-            del loss
+            if rt.forward_backward is not None:  # a pipeline schedule: one fused phase
+                phase = "forward_backward"
+                with recorder.phase(phase):
+                    value = rt.forward_backward(model, x, y).item()
+                if not math.isfinite(value):
+                    raise Diverged(phase, state.step + 1, value)
+            else:
+                with recorder.phase("forward"):
+                    loss = rt.forward(model, x, y)
+                    value = loss.item()
+                if not math.isfinite(value):
+                    raise Diverged("forward", state.step + 1, value)
+                phase = "backward"
+                with recorder.phase("backward"):
+                    rt.backward(loss)
+                del loss
             phase = "step"
             with recorder.phase("step"):
                 rt.step(optimizer)

@@ -94,17 +94,17 @@ class P2PHalf(_Protocol, nn.Module):
 
     def __init__(self, half: nn.Module, rank: int, peer: int):
         super().__init__()
-        self.half, self.rank, self.peer = half, rank, peer
+        self.part, self.rank, self.peer = half, rank, peer
         for part in ("encoder", "decoder", "head"):
             if hasattr(half, part):
                 self.add_module(part, getattr(half, part))  # same objects: protocol access
 
     def _device(self) -> torch.device:
-        return next(self.half.parameters()).device
+        return next(self.part.parameters()).device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rank == 0:
-            features = self.half(x)
+            features = self.part(x)
             if torch.is_grad_enabled():
                 return p2p.SendActivations.apply(self.peer, *features)
             p2p.send_tensors(list(features), self.peer)
@@ -115,7 +115,7 @@ class P2PHalf(_Protocol, nn.Module):
             features = p2p.RecvActivations.apply(self.peer, device, anchor)
         else:
             features = p2p.recv_tensors(self.peer, device)
-        out = self.half(*features)
+        out = self.part(*features)
         if not torch.is_grad_enabled():
             p2p.send_tensors([out], self.peer)
         return out

@@ -30,7 +30,13 @@ def _returns_alias(func) -> bool:
     return known
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor (FSDP2 parameters, gradients, optimizer state)."""
+    return t.to_local() if hasattr(t, "device_mesh") and hasattr(t, "to_local") else t
+
+
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    t = local_tensor(t)
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
@@ -87,6 +93,7 @@ def unique_storage_bytes(tensors: Any, exclude: set[tuple[str, int]] | None = No
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             continue
+        t = local_tensor(t)
         key = storage_key(t)
         if key not in seen:
             seen.add(key)

@@ -74,10 +74,11 @@ class PipelinedStep:
         self.losses: list[torch.Tensor] = []
 
     def _make(self, device: torch.device):
-        half = self.build.model.half
+        half = self.build.model.part
         stage = PipelineStage(half, self.rank, 2, device)
-        loss = self._loss if self.rank == 1 else None
-        return SCHEDULES[self.opts.schedule](stage, self.opts.micro_batches, loss_fn=loss)
+        # every rank passes the loss: a schedule without one runs no backward (only the last
+        # stage calls it)
+        return SCHEDULES[self.opts.schedule](stage, self.opts.micro_batches, loss_fn=self._loss)
 
     def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.base_loss(out, target)
