@@ -1,0 +1,76 @@
+"""Memory budget: over the budget a run fails as 'oom' in its phase; without it, it fits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memstudy.budget import allocator_fraction, apply_budget, budget_bytes
+from memstudy.cli import main
+from memstudy.errors import ConfigError
+from memstudy.runner import execute
+from memstudy.store import ResultsDB
+
+GIB, MIB = 1024**3, 1024**2
+# A 192 px CPU run of the ResNet-34 U-Net holds ~390 MB of live tensors at its peak
+# (parameters, gradients, Adam state, activations); 300 MiB cannot hold it.
+TOO_SMALL = "300MiB"
+RUN = ["run", "--size", "192", "--steps", "1", "--device", "cpu", "--set", "data.train_images=1",
+       "--set", "data.val_images=1", "--set", "train.validate=false", "--set",
+       "train.warmup_steps=0", "--set", "train.measure_steps=1", "-q"]
+
+
+def test_budget_bytes_and_allocator_fraction():
+    assert budget_bytes("8GiB") == 8 * GIB and budget_bytes(None) is None
+    with pytest.raises(ConfigError, match="byte size"):
+        budget_bytes("eight")
+    # an 80 GiB card emulating 8 GiB with a 500 MiB context: the allocator gets 7.5 GiB
+    assert allocator_fraction(8 * GIB, 500 * MIB, 80 * GIB) * 80 * GIB == pytest.approx(8 * GIB - 500 * MIB)
+    with pytest.raises(ConfigError, match="exceeds the GPU"):
+        allocator_fraction(100 * GIB, 500 * MIB, 80 * GIB)
+    with pytest.raises(ConfigError, match="CUDA context"):
+        allocator_fraction(400 * MIB, 500 * MIB, 80 * GIB)
+
+
+def test_cpu_budget_is_left_to_the_tensor_meter():
+    assert apply_budget(None, torch.device("cpu")) == {}
+    assert apply_budget("1GiB", torch.device("cpu"))["budget_bytes"] == GIB
+
+
+def test_over_budget_fails_under_budget_and_fits_without(tmp_path):
+    db = tmp_path / "r.sqlite"
+    assert main(["--db", str(db), *RUN, "--budget", TOO_SMALL]) == 1
+    assert main(["--db", str(db), *RUN]) == 0
+    over, free = ResultsDB(db).runs()
+    assert over["status"] == "oom" and over["failed_phase"] in ("forward", "backward", "step")
+    assert "exceed the budget" in over["error"]
+    assert free["status"] == "ok" and free["failed_phase"] is None
+
+
+def test_oom_is_recorded_with_its_phase(make_config, tmp_path):
+    """Forward at 192 px peaks at parameters + activations (~140 MB before Adam state
+    exists); backward adds the gradients. A budget between the two fails in backward."""
+    db = ResultsDB(tmp_path / "r.sqlite")
+    cfg = make_config(192, validate=False, warmup_steps=0, max_steps=1)
+    cfg.budget = "160MiB"
+    rec = execute(cfg, db)
+    assert (rec.status, rec.failed_phase) == ("oom", "backward")
+    (row,) = db.runs()
+    assert (row["status"], row["failed_phase"]) == ("oom", "backward")
+    assert "OutOfMemoryError" in row["error"]
+
+
+@pytest.mark.gpu
+def test_cuda_budget_caps_the_allocator(make_config, tmp_path):
+    db = ResultsDB(tmp_path / "r.sqlite")
+    cfg = make_config(1024, validate=False, max_steps=2, device="cuda")
+    free = execute(cfg, db)
+    assert free.status == "ok"
+    peak = max(v for _r, p, k, v in free.metrics if k == "alloc_peak_total_bytes")
+    cfg = make_config(1024, validate=False, max_steps=2, device="cuda")
+    cfg.budget = f"{int(peak * 0.6) + 600 * MIB}B"  # context (~500 MB) + 60 % of the peak
+    capped = execute(cfg, db)
+    assert capped.status == "oom", capped.error
+    assert capped.env["cuda_context_bytes"] > 100 * MIB
+    assert 0 < capped.env["memory_fraction"] < 1
+    cfg = make_config(1024, validate=False, max_steps=2, device="cuda")
+    assert execute(cfg, db).status == "ok"  # the cap is lifted for the next run in the process
