@@ -143,7 +143,26 @@ def scenario_mp_training(r):
             "series": rec.series, "metrics": rec.metrics if r == 0 else None}
 
 
-SCENARIOS = [scenario_ddp, scenario_sharded, scenario_mp, scenario_pipeline, scenario_mp_training]
+COMPOSITIONS = ["dp,zero,invertible", "dp,zero,checkpoint", "mp,invertible,checkpoint",
+                "fsdp,checkpoint"]
+
+
+def scenario_compositions(r):
+    """Study combinations (and fsdp) run a measured step through execute() on both ranks."""
+    from memstudy.runner import execute
+
+    out = {}
+    for techniques in COMPOSITIONS:
+        cfg = small_config(SIZE, techniques.split(","), batch_size=BATCH, max_steps=1,
+                           warmup_steps=0, measure_steps=1, validate=False)
+        cfg.world_size = WORLD
+        rec = execute(cfg, None)
+        out[techniques] = (rec.status, rec.error)
+    return out
+
+
+SCENARIOS = [scenario_ddp, scenario_sharded, scenario_mp, scenario_pipeline, scenario_mp_training,
+             scenario_compositions]
 if os.environ.get("DIST_SCENARIOS"):  # development: run a subset
     SCENARIOS = [s for s in SCENARIOS if s.__name__ in os.environ["DIST_SCENARIOS"].split(",")]
 
@@ -237,3 +256,9 @@ def test_mp_trains_with_a_scheduler_and_records_every_rank(ranks):
         t0, t1 = rows[(0, phase, "time_s")], rows[(1, phase, "time_s")]
         assert rows[(RANK_MEAN, phase, "time_s")] == pytest.approx((t0 + t1) / 2)
         assert rows[(RANK_MAX, phase, "time_s")] == max(t0, t1)
+
+
+def test_study_combinations_train_on_two_ranks(ranks):
+    for found in _get(ranks, "scenario_compositions"):
+        for techniques in COMPOSITIONS:
+            assert found[techniques] == ("ok", None), (techniques, found[techniques])

@@ -94,27 +94,33 @@ def check_batch_divides(plan, owner: str) -> None:
     """Data parallelism splits train.batch_size over the ranks: it must divide evenly."""
     b, ws = plan.config.train.batch_size, plan.config.world_size
     if b % ws:
-        lo, hi = max(ws, b // ws * ws), (b // ws + 1) * ws
+        fits = sorted({max(ws, b // ws * ws), (b // ws + 1) * ws})
         raise ConfigError(f"{owner}: train.batch_size {b} is the global batch and must be "
-                          f"divisible by world_size {ws}; use train.batch_size {lo} or {hi}")
+                          f"divisible by world_size {ws}; use train.batch_size "
+                          f"{' or '.join(map(str, fits))}")
     images = getattr(plan.config.data, "train_images", None)
     if plan.config.data.source == "synthetic" and images is not None and images < b:
         raise ConfigError(f"{owner}: data.train_images {images} is smaller than one global batch "
                           f"(train.batch_size {b}); every step needs a full global batch")
 
 
-def check_structure_last(plan, owner: str) -> None:
-    """A split must see the final modules: other structural techniques act before it."""
-    from memstudy.techniques.base import Stage
+def split_last(plan, owner: str) -> None:
+    """A split must see the final modules, so it runs after every other structural technique
+    (invertible residuals, ...), whatever order `techniques` lists them in. Checkpointing the
+    whole-model sqrt chain cannot follow a split; per-block checkpointing can."""
     from memstudy.techniques import get_technique
+    from memstudy.techniques.base import Stage
 
-    names = list(plan.chosen)
-    later = [n for n in names[names.index(owner) + 1:]
-             if get_technique(n).stage == Stage.STRUCTURE]
-    if later:
-        raise ConfigError(f"{owner} splits the model and must come after {later[0]} in "
-                          f"techniques: write '{later[0]},...,{owner}' (structural changes "
-                          "first, then the split)")
+    ckpt = plan.chosen.get("checkpoint")
+    if ckpt is not None and getattr(ckpt, "placement", "block") == "sqrt":
+        raise ConfigError(f"checkpoint:sqrt chains the whole U-Net, which {owner} splits over two "
+                          f"devices; use checkpoint:block (or selective) with {owner}")
+    structural = [n for n in plan.chosen if get_technique(n).stage == Stage.STRUCTURE]
+    if structural[-1] != owner:
+        order = [n for n in plan.chosen if n != owner]
+        order.insert(order.index(structural[-1]) + 1, owner)
+        # make_plan iterates its own dict; build_pipeline applies plan.chosen in this order
+        plan.chosen = {n: plan.chosen[n] for n in order}
 
 
 def shard_batch(build) -> None:

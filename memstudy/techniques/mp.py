@@ -42,7 +42,7 @@ class Options:
 def check(opts: Options, plan: Plan) -> None:
     if plan.has("pipeline"):
         raise ConfigError("pipeline already splits the model as mp does: drop mp")
-    context.check_structure_last(plan, "mp")
+    context.split_last(plan, "mp")
     if opts.scheduler != "none":
         total_steps(plan.config)  # refuses a schedule whose length cannot be known
     if opts.mode == "local":

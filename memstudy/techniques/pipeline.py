@@ -47,7 +47,7 @@ def check(opts: Options, plan: Plan) -> None:
     if b % opts.micro_batches:
         raise ConfigError(f"pipeline:micro_batches={opts.micro_batches} must divide "
                           f"train.batch_size {b}; change either")
-    context.check_structure_last(plan, "pipeline")
+    context.split_last(plan, "pipeline")
     context.check_world(plan, "pipeline", exact=2)
     context.resolve_backend(opts.backend, plan.device, "pipeline", gloo_on_cuda=False)
     if opts.scheduler != "none":
