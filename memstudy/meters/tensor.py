@@ -57,6 +57,7 @@ class LiveTensorMeter(TorchDispatchMode):
         return out
 
     def _track(self, t: torch.Tensor) -> None:
+        t = local_tensor(t)  # a DTensor (FSDP2) has no storage of its own; its shard has
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         key = (str(t.device), storage.data_ptr())
