@@ -6,7 +6,9 @@ Python API (all take a database path or a ResultsDB; rows are lists of dicts, pa
     memory_ratios(db)                   Fig. 2: memory / original per phase
     memory_vs_resolution(db)            peak MB of every run by size (maxres probes included)
     largest_size(db)                    memstudy maxres results: predicted and found size
-    ratio_chart, resolution_chart, largest_size_chart -> matplotlib Figure; png(fig) -> bytes
+    loss_curves(db, image_size=None)    per-step training loss of every finished run
+    ratio_chart, resolution_chart, largest_size_chart, loss_curve_chart -> matplotlib Figure;
+    png(fig) -> PNG bytes (IPython.display.Image(png(fig)) in a notebook)
     render(table_name, rows, fmt)       one table as term / md / csv / latex / html
     build_report(db, fmt)               everything, as `memstudy report` prints it
     notebook_db()                       $MEMSTUDY_DB, else benchmarks/results/gpu.sqlite
@@ -17,9 +19,10 @@ import os
 from pathlib import Path
 
 from memstudy.report.data import load_maxres, load_runs, open_db
-from memstudy.report.plots import largest_size_chart, png, ratio_chart, resolution_chart
-from memstudy.report.tables import (COLUMNS, TABLES, TITLES, as_cells, largest_size, losses,
-                                    memory_ratios, memory_vs_resolution, phase_memory)
+from memstudy.report.plots import (largest_size_chart, loss_curve_chart, png, ratio_chart,
+                                   resolution_chart)
+from memstudy.report.tables import (COLUMNS, TABLES, TITLES, as_cells, largest_size, loss_curves,
+                                    losses, memory_ratios, memory_vs_resolution, phase_memory)
 from memstudy.tables import FORMATS, render_table
 from memstudy.units import mb, parse_bytes
 
@@ -60,6 +63,6 @@ def build_report(db, fmt: str = "term", budget: str | None = None) -> str:
 
 
 __all__ = ["COLUMNS", "TABLES", "TITLES", "build_report", "budget_line", "largest_size",
-           "largest_size_chart", "load_maxres", "load_runs", "losses", "memory_ratios",
+           "largest_size_chart", "load_maxres", "load_runs", "loss_curve_chart", "loss_curves", "losses", "memory_ratios",
            "memory_vs_resolution", "notebook_db", "open_db", "phase_memory", "png",
            "ratio_chart", "render", "resolution_chart"]

@@ -85,3 +85,20 @@ def largest_size_chart(rows: Rows):
     if rows:
         ax.legend(fontsize=7)
     return fig
+
+
+def loss_curve_chart(rows: Rows):
+    """Training loss (1 - MS-SSIM) per step, one line per run."""
+    fig = _figure(6.4, 4.0)
+    ax = fig.subplots()
+    runs: dict[int, list] = defaultdict(list)
+    for r in rows:
+        runs[r["run_id"]].append(r)
+    for run_id, points in sorted(runs.items()):
+        ax.plot([p["step"] for p in points], [p["loss"] for p in points],
+                label=f"{points[0]['name']} {points[0]['image_size']} px (run {run_id})")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("train loss (1 - MS-SSIM)")
+    if runs:
+        ax.legend(fontsize=7)
+    return fig

@@ -165,3 +165,15 @@ def as_cells(table: str, rows: Rows, raw: bool = False) -> tuple[list[str], list
 
 def _fmt(value: Any, digits: int, raw: bool) -> Any:
     return f"{value:.{digits}f}" if isinstance(value, float) and not raw else value
+
+
+def loss_curves(db: DB, image_size: int | None = None) -> Rows:
+    """Per-step training loss of every finished run (maxres probes left out)."""
+    db_ = db if isinstance(db, ResultsDB) else ResultsDB(db)
+    keep = {r["id"]: r for r in load_runs(db) if r["status"] == "ok"
+            and (image_size is None or r["image_size"] == image_size)}
+    rows = db_.query("SELECT run_id, step, value FROM series WHERE name = 'loss' AND rank = 0 "
+                     "ORDER BY run_id, step")
+    return [{"run_id": s["run_id"], "name": keep[s["run_id"]]["name"],
+             "image_size": keep[s["run_id"]]["image_size"], "step": s["step"], "loss": s["value"]}
+            for s in rows if s["run_id"] in keep]
