@@ -1,0 +1,146 @@
+"""Activation checkpointing: less saved memory, identical gradients and BatchNorm statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from memstudy.config import MeterConfig
+from memstudy.errors import ConfigError
+from memstudy.meters import PhaseRecorder
+from memstudy.models import build_unet
+from memstudy.runner import execute
+from memstudy.techniques.checkpoint import (RESNET34_UNET_UNITS, chain_units, sqrt_regions)
+from memstudy.techniques.compose import build_pipeline, make_plan
+from conftest import small_config
+
+PLACEMENTS = ("block", "sqrt", "selective")
+
+
+@dataclass
+class Step:
+    loss: float
+    grads: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    forward: dict[str, float]  # the PhaseRecorder's forward figures
+    notes: dict
+
+
+def one_step(techniques: list[str]) -> Step:
+    """One measured training step (forward, backward, optimizer step) of the composed pipeline."""
+    build = build_pipeline(make_plan(small_config(techniques=techniques)))
+    model, rt = build.model, build.runtime
+    optimizer = rt.optimizer_factory(model)
+    recorder = PhaseRecorder(build.device, model, rt, lambda: optimizer, MeterConfig(tensor="on"))
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.rand(1, 1, 192, 192, generator=gen), torch.rand(1, 1, 192, 192, generator=gen)
+    with recorder.step(measured=True):
+        with recorder.phase("forward"):
+            loss = rt.forward(model, x, y)
+        with recorder.phase("backward"):
+            rt.backward(loss)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        with recorder.phase("step"):
+            rt.step(optimizer)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return Step(loss.item(), grads, buffers, recorder.summary()["forward"], build.notes)
+
+
+@pytest.fixture(scope="module")
+def plain() -> Step:
+    return one_step([])
+
+
+@pytest.fixture(scope="module", params=PLACEMENTS)
+def checkpointed(request) -> tuple[str, Step]:
+    return request.param, one_step([f"checkpoint:{request.param}"])
+
+
+def test_checkpoint_lowers_saved_activations(plain, checkpointed):
+    placement, step = checkpointed
+    # Measured at 192 px, batch 1 (MB): plain 56.3, selective 35.0, block 17.3, sqrt 8.6.
+    limit = {"selective": 0.75, "block": 0.4, "sqrt": 0.2}[placement]
+    for figure in ("saved_bytes", "tensor_held_bytes"):
+        assert step.forward[figure] < limit * plain.forward[figure], (placement, figure)
+
+
+def test_checkpoint_gradients_and_bn_statistics_match_plain(plain, checkpointed):
+    placement, step = checkpointed
+    assert step.loss == pytest.approx(plain.loss, rel=1e-6)
+    assert step.grads.keys() == plain.grads.keys()  # no module renamed by the wrapping
+    for name, grad in plain.grads.items():
+        torch.testing.assert_close(step.grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    # Recomputation in backward runs BatchNorm again; running statistics must move once.
+    for name, buf in plain.buffers.items():
+        if name.endswith("num_batches_tracked"):
+            assert step.buffers[name].item() == buf.item() == 1, name
+        else:
+            torch.testing.assert_close(step.buffers[name], buf, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_checkpoint_regions_recorded(checkpointed):
+    placement, step = checkpointed
+    regions = step.notes["checkpoint_regions"]
+    if placement == "sqrt":
+        assert step.notes["checkpoint_segments"] == 5  # round(sqrt(22))
+        assert len(regions) < 16 + 5  # fewer regions than `block`
+    else:
+        assert len(regions) == 16 + 5  # every BasicBlock and decoder block
+
+
+def test_sqrt_units_and_regions():
+    units = chain_units(build_unet())
+    assert len(units) == RESNET34_UNET_UNITS == 22
+    regions = sqrt_regions(units, 5)
+    # Encoder regions never span a stage: stage outputs are skip features, kept anyway.
+    assert all(len({u.group for u in r}) == 1 for r in regions)
+    names = [[u.name for u in r] for r in regions]
+    assert names[0] == ["stem"]
+    assert ["decoder.1", "decoder.2", "decoder.3", "decoder.4"] in names  # segment 4: units 18-21
+    assert [u.name for r in regions for u in r] == [u.name for u in units]  # a partition, in order
+    assert len(sqrt_regions(units, 1)) == 6  # one segment: one region per group
+    assert len(sqrt_regions(units, 22)) == 22
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("checkpoint:diagonal", "['block', 'sqrt', 'selective']"),
+    ("checkpoint:block:segments=3", "placement=sqrt"),
+    ("checkpoint:sqrt:segments=23", "1..22"),
+    ("checkpoint:sqrt:segments=-1", "segments=-1"),
+])
+def test_checkpoint_option_errors(spec, fragment):
+    with pytest.raises(ConfigError) as err:
+        make_plan(small_config(techniques=[spec]))
+    assert fragment in str(err.value)
+
+
+def test_checkpoint_with_invertible_leaves_momentum_blocks_alone():
+    """invertible (STRUCTURE) converts 13 of 16 blocks; checkpoint wraps the rest."""
+    pytest.importorskip("momentumnet")
+    build = build_pipeline(make_plan(small_config(techniques=["invertible", "checkpoint:block"])))
+    assert build.notes["checkpoint_not_wrapped"]
+    assert len(build.notes["checkpoint_regions"]) == 3 + 5  # 3 downsampling blocks, 5 decoder
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_checkpoint_lowers_cuda_forward_memory(placement):
+    def forward_figures(techniques):
+        cfg = small_config(size=512, techniques=techniques, validate=False, device="cuda",
+                           warmup_steps=1, measure_steps=1)
+        record = execute(cfg, db=None)
+        assert record.status == "ok", record.error
+        return {k: v for _, phase, k, v in record.metrics if phase == "forward"}
+
+    plain, ckpt = forward_figures([]), forward_figures([f"checkpoint:{placement}"])
+    assert ckpt["alloc_held_bytes"] < 0.8 * plain["alloc_held_bytes"]
+    assert ckpt["alloc_peak_bytes"] < plain["alloc_peak_bytes"]
+
+
+@pytest.mark.gpu
+def test_checkpoint_with_fp16_runs_on_cuda():
+    cfg = small_config(size=256, techniques=["amp:fp16", "checkpoint:sqrt"], device="cuda",
+                       validate=True)
+    record = execute(cfg, db=None)
+    assert record.status == "ok", record.error
