@@ -1,0 +1,84 @@
+"""memstudy report: tables from a database, every format, an offline HTML file."""
+from __future__ import annotations
+
+import csv
+import io
+import re
+
+import pytest
+
+from memstudy import report
+from memstudy.cli import main
+from memstudy.store import ResultsDB, RunRecord
+
+MB = 1024**2
+
+
+def record(db: ResultsDB, name: str, size: int, fwd: float, bwd: float, step: float,
+           status: str = "ok", phase: str | None = None, seed: int = 0, val: float = 0.3) -> None:
+    """A CPU run as the runner stores it: tensor-meter phase figures (bytes), one epoch."""
+    metrics = [(0, p, k, v) for p, mbs in (("forward", fwd), ("backward", bwd), ("step", step))
+               for k, v in (("tensor_peak_bytes", mbs * MB), ("tensor_start_bytes", 100 * MB),
+                            ("time_s", 0.1))]
+    metrics.append((0, "run", "step_time_s", 0.5))
+    db.record(RunRecord(config={"train": {"image_size": size, "batch_size": 1, "seed": seed},
+                                "techniques": [], "world_size": 1},
+                        config_hash=f"{name}{size}{seed}{status}", name=name, status=status,
+                        env={"device": "cpu"}, started_at=0.0, failed_phase=phase,
+                        metrics=metrics if status == "ok" else [],
+                        epochs=[{"epoch": 0, "steps": 2, "train_loss": 0.5, "val_loss": val,
+                                 "val_ssim": 0.8, "val_psnr": 20.0, "time_s": 1.0}]
+                        if status == "ok" else []))
+
+
+@pytest.fixture
+def db(tmp_path):
+    db = ResultsDB(tmp_path / "r.sqlite")
+    record(db, "original", 512, 800, 400, 100)
+    record(db, "original", 512, 600, 400, 100, seed=1, val=0.5)  # seeds are averaged
+    record(db, "amp:bf16", 512, 350, 100, 100)
+    record(db, "checkpoint", 512, 280, 640, 100)
+    record(db, "original", 1024, 0, 0, 0, status="oom", phase="backward")
+    return db
+
+
+def test_tables_group_average_and_compare_with_original(db):
+    rows = {(r["name"], r["image_size"]): r for r in report.phase_memory(db)}
+    orig = rows["original", 512]
+    assert (orig["forward_mb"], orig["backward_mb"], orig["runs"]) == (700, 400, 2)
+    assert orig["peak_total_mb"] == 800  # mean over seeds of start (100 MB) + largest phase peak
+    assert rows["original", 1024]["status"] == "oom in backward"
+    ratios = {r["name"]: r for r in report.memory_ratios(db)}
+    assert ratios["amp:bf16"]["forward"] == pytest.approx(0.5)
+    assert ratios["checkpoint"]["backward"] == pytest.approx(1.6)
+    assert "original" not in ratios
+    loss = {r["name"]: r for r in report.losses(db)}
+    assert loss["original"]["val_loss"] == pytest.approx(0.4)
+    assert [r["image_size"] for r in report.phase_memory(db, 1024)] == [1024]
+
+
+def test_formats(db):
+    term = report.build_report(db, "term")
+    assert "Forward MB" in term and "oom in backward" in term
+    md = report.render("phase_memory", report.phase_memory(db), "md")
+    assert md.splitlines()[0].startswith("| techniques |") and "| amp:bf16 |" in md
+    rows = list(csv.reader(io.StringIO(report.render("phase_memory", report.phase_memory(db), "csv"))))
+    assert rows[0][0] == "techniques" and float(rows[1][4]) in (350.0, 700.0, 280.0)
+    latex = report.render("memory_ratios", report.memory_ratios(db), "latex")
+    assert r"\begin{tabular}" in latex and r"amp:bf16" in latex
+    assert report.build_report(db, "csv").count("# ") == 4
+
+
+def test_html_is_one_offline_file(db, tmp_path):
+    out = tmp_path / "r.html"
+    assert main(["report", str(db.path), "--format", "html", "--out", str(out), "--budget", "1GiB"]) == 0
+    html = out.read_text()
+    assert html.count("data:image/png;base64,") >= 2  # ratio chart and resolution chart
+    links = re.findall(r'(?:src|href)\s*=\s*"([^"]*)"', html)
+    assert links and all(link.startswith("data:") for link in links)
+    assert "http://" not in html and "https://" not in html and "<script" not in html
+
+
+def test_missing_database_is_refused(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "none.sqlite")]) == 2
+    assert "not found" in capsys.readouterr().err
