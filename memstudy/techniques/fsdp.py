@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from memstudy.distributed import context
+from memstudy.distributed import context, p2p
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
@@ -55,7 +55,21 @@ def apply(opts: Options, build: Build) -> None:
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    build.runtime.loss_fn = _overflow_synchronised(build.runtime)
     build.notes["fsdp"] = {"mode": opts.mode, "units": len(blocks) + 1}
+
+
+def _overflow_synchronised(runtime):
+    """Each rank unscales only its gradient shards: with amp:fp16 the ranks must agree on
+    skipping a step (the GradScaler is installed later, by amp, so this is done lazily)."""
+    base = runtime.loss_fn
+
+    def loss_fn(out, target):
+        if runtime.scaler is not None:
+            p2p.synchronise_overflow(runtime.scaler)
+        return base(out, target)
+
+    return loss_fn
 
 
 register(Technique("fsdp", Stage.PARALLEL, Options,
