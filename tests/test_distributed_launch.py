@@ -93,3 +93,13 @@ def test_in_process_model_parallel_run_on_two_gpus(tmp_path):
                "--size", "192", "--batch-size", "2", "--steps", "2", "-q"])
     assert rc == 0
     assert ResultsDB(db).runs()[0]["status"] == "ok"
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("techniques", ["mp,amp:fp16", "pipeline,amp:fp16", "fsdp,amp:fp16",
+                                        "dp,zero,amp:fp16,checkpoint"])
+def test_split_and_sharded_runs_on_two_gpus_with_fp16_loss_scaling(tmp_path, techniques):
+    rc, db = _run(tmp_path, techniques, "cuda")
+    assert rc == 0, db.runs()
+    runs = db.runs()
+    assert runs[0]["status"] == "ok" and runs[0]["world_size"] == 2
