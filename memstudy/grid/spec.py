@@ -1,0 +1,166 @@
+"""Grid spec files: load, expand into cells, validate every cell before any runs (docs/grid.md)."""
+from __future__ import annotations
+
+import copy
+import itertools
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memstudy.config import RunConfig, from_dict, split_techniques
+from memstudy.errors import ConfigError
+from memstudy.runner import resolved, run_name
+
+SPEC_KEYS = {"name", "techniques", "product", "image_sizes", "batch_sizes", "seeds", "epochs",
+             "steps", "data", "budget", "timeout_s", "base"}
+KILLED = "killed"  # outcomes that leave no record: a rerun runs the cell again
+CRASHED = "crashed"
+
+@dataclass
+class GridSpec:
+    name: str = "grid"
+    technique_sets: list[list[str]] = field(default_factory=lambda: [[]])
+    image_sizes: list[int] = field(default_factory=lambda: [256])
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    seeds: list[int] = field(default_factory=lambda: [0])
+    epochs: int | None = None
+    steps: int | None = None
+    data: str | None = None  # 'synthetic' or a folder of radiographs
+    budget: str | None = None
+    timeout_s: float | None = None
+    base: dict[str, Any] = field(default_factory=dict)  # RunConfig settings shared by all cells
+
+
+@dataclass
+class Cell:
+    index: int
+    config: RunConfig
+    hash: str | None = None
+    error: str | None = None  # why the cell is invalid; invalid cells never run
+
+    @property
+    def name(self) -> str:
+        return run_name(self.config)
+
+    def describe(self) -> str:
+        t = self.config.train
+        return f"{self.name} {t.image_size}px batch {t.batch_size} seed {t.seed}"
+
+
+def load_spec(path: str | Path) -> GridSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"grid spec {str(path)!r} not found")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return spec_from_dict(raw, default_name=path.stem)
+
+
+def spec_from_dict(raw: dict[str, Any], default_name: str = "grid") -> GridSpec:
+    unknown = set(raw) - SPEC_KEYS
+    if unknown:
+        raise ConfigError(f"unknown grid key(s) {sorted(unknown)}; valid: {sorted(SPEC_KEYS)}")
+    sets = [split_techniques(s) for s in _list(raw, "techniques", str)]
+    sets += product_sets(raw.get("product", {}))
+    if not sets:
+        sets = [[]]
+    unique = list({tuple(s): s for s in sets}.values())  # same set listed twice runs once
+    spec = GridSpec(name=raw.get("name", default_name), technique_sets=unique,
+                    epochs=raw.get("epochs"), steps=raw.get("steps"), data=raw.get("data"),
+                    budget=raw.get("budget"), timeout_s=raw.get("timeout_s"),
+                    base=raw.get("base", {}))
+    for key in ("image_sizes", "batch_sizes", "seeds"):
+        if key in raw:
+            setattr(spec, key, _list(raw, key, int))
+            if not getattr(spec, key):
+                raise ConfigError(f"grid {key} is empty; list at least one value")
+    if spec.epochs is not None and spec.steps is not None:
+        raise ConfigError("grid sets both epochs and steps; keep one (steps caps all epochs)")
+    if spec.timeout_s is not None and not (isinstance(spec.timeout_s, (int, float)) and spec.timeout_s > 0):
+        raise ConfigError(f"grid timeout_s must be a positive number of seconds (got {spec.timeout_s!r})")
+    return spec
+
+
+def _list(raw: dict[str, Any], key: str, kind: type) -> list:
+    value = raw.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
+        raise ConfigError(f"grid {key} must be a list of {kind.__name__} (got {value!r})")
+    return value
+
+
+def product_sets(product: dict[str, list[str]]) -> list[list[str]]:
+    """{'amp': ['off', 'bf16'], 'checkpoint': ['off', 'on']} -> [[], ['checkpoint'], ['amp:bf16'], ...].
+
+    'off' leaves the technique out, 'on' uses its defaults, anything else is its option
+    string (`sqrt`, `placement=sqrt:segments=4`)."""
+    if not isinstance(product, dict):
+        raise ConfigError("grid [product] must be a table: technique = [options]")
+    choices = []
+    for name, options in product.items():
+        if not isinstance(options, list) or not options:
+            raise ConfigError(f"grid product.{name} must be a non-empty list, e.g. ['off', 'on']")
+        choices.append([None if o == "off" else name if o == "on" else f"{name}:{o}" for o in options])
+    return [[t for t in combo if t] for combo in itertools.product(*choices)] if choices else []
+
+
+def expand(spec: GridSpec) -> list[Cell]:
+    """Every cell of the grid, validated; an invalid cell carries its reason."""
+    from memstudy.techniques.compose import make_plan  # torch-heavy: only when expanding
+
+    cells: list[Cell] = []
+    seen: set[str] = set()
+    combos = itertools.product(spec.technique_sets, spec.image_sizes, spec.batch_sizes, spec.seeds)
+    for techniques, size, batch, seed in combos:
+        cfg = cell_config(spec, techniques, size, batch, seed)
+        cell = Cell(index=len(cells) + 1, config=cfg)
+        try:
+            make_plan(cfg)
+            cell.hash = config_hash(cfg)
+        except (ConfigError, ValueError) as exc:
+            cell.error = str(exc)
+        if cell.hash is None or cell.hash not in seen:
+            seen.add(cell.hash or f"invalid{cell.index}")
+            cells.append(cell)
+    for i, cell in enumerate(cells, 1):
+        cell.index = i
+    return cells
+
+
+def cell_config(spec: GridSpec, techniques: list[str], size: int, batch: int, seed: int) -> RunConfig:
+    cfg = from_dict(copy.deepcopy(spec.base))
+    cfg.techniques = list(techniques)
+    cfg.train.image_size, cfg.train.batch_size = size, batch
+    cfg.train.seed = cfg.data.seed = seed  # as `memstudy run --seed` does
+    if spec.epochs is not None:
+        cfg.train.epochs = spec.epochs
+    if spec.steps is not None:
+        cfg.train.max_steps = spec.steps
+    if spec.data is not None:
+        cfg.data.source, cfg.data.path = (("synthetic", None) if spec.data == "synthetic"
+                                          else ("folder", spec.data))
+    if spec.budget is not None:
+        cfg.budget = spec.budget
+    cfg.label = cfg.label or spec.name
+    return cfg
+
+
+def config_hash(config: RunConfig) -> str:
+    """The hash a run of `config` is recorded under (techniques in canonical form)."""
+    return resolved(copy.deepcopy(config)).hash()
+
+
+def cell_table(cells: list[Cell], outcomes: dict[int, str]) -> str:
+    from memstudy.tables import format_table
+
+    rows = [[c.index, c.name, c.config.train.image_size, c.config.train.batch_size,
+             c.config.train.seed, c.hash or "-", outcomes.get(c.index, "-")] for c in cells]
+    return format_table(["cell", "techniques", "px", "batch", "seed", "hash", "outcome"], rows)
+
+
+def plan_outcomes(cells: list[Cell], recorded: set[str]) -> dict[int, str]:
+    """What a run would do with each cell (for --dry-run)."""
+    return {c.index: f"invalid: {c.error}" if c.error else
+            "recorded (skip)" if c.hash in recorded else "to run" for c in cells}
