@@ -65,7 +65,10 @@ def apply_budget(budget: str | None, device: torch.device) -> dict[str, Any]:
     limit = budget_bytes(budget)
     if device.type != "cuda":
         return {} if limit is None else {"budget_bytes": limit, "budget_enforced_by": "tensor meter"}
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    if device.index is not None:
+        index = device.index
+    else:  # asking torch for the current device would initialise CUDA before the measurement
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
     if limit is None:
         if torch.cuda.is_initialized():
             torch.cuda.set_per_process_memory_fraction(1.0, index)

@@ -145,3 +145,18 @@ def test_resume_after_killing_a_cell_and_the_runner(tmp_path):
     runs = ResultsDB(db).runs()
     assert sorted(r["image_size"] for r in runs) == [192, 224]
     assert len({r["config_hash"] for r in runs}) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_cells_spread_over_visible_gpus(tmp_path):
+    import torch
+
+    gpu_base = {**BASE, "train": {**BASE["train"], "device": "cuda"}}
+    spec = spec_from_dict({"image_sizes": [256, 512], "seeds": [0, 1], "steps": 2,
+                           "base": gpu_base, "budget": "8GiB"})
+    result = run_grid(spec, tmp_path / "r.sqlite")
+    assert set(result.outcomes.values()) == {"ok"}
+    runs = ResultsDB(tmp_path / "r.sqlite").runs()
+    assert len(runs) == 4 and all(r["gpu_name"] for r in runs)
+    slots = min(torch.cuda.device_count(), 4)
+    assert slots >= 1
