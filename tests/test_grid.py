@@ -158,5 +158,6 @@ def test_gpu_cells_spread_over_visible_gpus(tmp_path):
     assert set(result.outcomes.values()) == {"ok"}
     runs = ResultsDB(tmp_path / "r.sqlite").runs()
     assert len(runs) == 4 and all(r["gpu_name"] for r in runs)
-    slots = min(torch.cuda.device_count(), 4)
-    assert slots >= 1
+    if torch.cuda.device_count() >= 2:  # one cell per GPU at a time: cells overlapped in time
+        spans = sorted((r["started_at"], r["finished_at"]) for r in runs)
+        assert any(nxt[0] < cur[1] for cur, nxt in zip(spans, spans[1:]))
