@@ -18,7 +18,8 @@ projection) are not invertible and stay ordinary blocks. On ResNet-34 that conve
 Two corrections to plain momentumnet, both in `_Replayable`:
 - BatchNorm: rebuilding a block in backward runs its BatchNorm layers again in training mode,
   which would update their running statistics twice per step. During the rebuild the
-  running statistics are left untouched (momentum 0, batch counter restored).
+  running statistics are left untouched (momentum 0, batch counter restored); likewise the
+  observers of `quantization`'s fake quantizers, whose scales were set in the forward.
 - Autocast: the rebuild runs inside the autograd backward, where autocast is off; it re-enters
   the autocast state of the forward so the rebuilt block computes what the forward computed
   (otherwise a bf16 forward and a float32 rebuild disagree and the velocity drifts).
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from momentumnet import MomentumNet
 from torch import nn
+from torch.ao.quantization import FakeQuantizeBase
 
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
@@ -72,18 +74,24 @@ class _Replayable(nn.Module):
 
 @contextlib.contextmanager
 def _frozen_bn_stats(module: nn.Module):
-    """BatchNorm still normalises with batch statistics, but its running ones do not move."""
-    saved = []
-    for bn in module.modules():
-        if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.training and bn.track_running_stats:
-            saved.append((bn, bn.momentum, bn.num_batches_tracked.clone()))
-            bn.momentum = 0.0  # running = (1 - 0) * running + 0 * batch
+    """BatchNorm still normalises with batch statistics, but its running ones do not move;
+    fake-quantization observers (the `quantization` technique) keep the forward's scales."""
+    saved, observers = [], []
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats:
+            saved.append((m, m.momentum, m.num_batches_tracked.clone()))
+            m.momentum = 0.0  # running = (1 - 0) * running + 0 * batch
+        elif isinstance(m, FakeQuantizeBase):
+            observers.append((m, m.observer_enabled.clone()))
+            m.disable_observer()
     try:
         yield
     finally:
         for bn, momentum, count in saved:
             bn.momentum = momentum
             bn.num_batches_tracked.copy_(count)
+        for fq, enabled in observers:
+            fq.observer_enabled.copy_(enabled)
 
 
 class MomentumBlocks(nn.Module):
