@@ -82,7 +82,8 @@ def summarise(db: ResultsDB) -> list[dict]:
                "val_loss": next((e["val_loss"] for e in reversed(epochs) if e["rank"] == 0), None)}
         for phase in PHASES:
             for tag, rank in (("mean", agg_mean), ("max", agg_max)):
-                value = metrics.get((rank, phase), {}).get("alloc_peak_bytes")
+                figs = metrics.get((rank, phase), {})  # CPU smoke runs: the tensor meter
+                value = figs.get("alloc_peak_bytes", figs.get("tensor_peak_bytes"))
                 row[f"{phase}_{tag}"] = None if value is None else value / MB
         nvml = metrics.get((agg_max, "run"), {}).get("nvml_peak_total_bytes")
         row["nvml_max"] = None if nvml is None else nvml / MB

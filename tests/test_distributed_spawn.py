@@ -143,7 +143,7 @@ def scenario_mp_training(r):
             "series": rec.series, "metrics": rec.metrics if r == 0 else None}
 
 
-COMPOSITIONS = ["dp,zero,invertible", "mp,invertible,checkpoint",
+COMPOSITIONS = ["dp,zero,invertible", "mp,invertible,checkpoint", "pipeline,checkpoint",
                 "fsdp,checkpoint"]
 
 
