@@ -3,7 +3,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.ao import quantization as tq
 from torch.ao.nn.qat import Conv2d as QATConv2d
 
 from memstudy.errors import ConfigError

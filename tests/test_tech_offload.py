@@ -1,0 +1,123 @@
+"""offload: the pack / unpack pair on the CPU (host = compute = cpu), the harness on a GPU."""
+import pytest
+import torch
+
+from memstudy.errors import ConfigError
+from memstudy.models import build_unet
+from memstudy.runner import execute
+from memstudy.techniques import get_technique
+from memstudy.techniques.base import Plan
+from memstudy.techniques.offload import Offloader
+
+TECH = get_technique("offload")
+CPU = torch.device("cpu")
+
+
+def _plan(device: str) -> Plan:
+    return Plan(config=None, device=torch.device(device), n_gpus=1, chosen={})
+
+
+def test_refused_on_the_cpu_naming_train_device():
+    with pytest.raises(ConfigError, match="train.device"):
+        TECH.check(TECH.parse([]), _plan("cpu"))
+
+
+def test_negative_min_bytes_is_refused():
+    with pytest.raises(ConfigError, match="min_bytes"):
+        TECH.check(TECH.parse(["-1"]), _plan("cuda"))
+
+
+def test_pack_copies_large_tensors_once_and_leaves_small_ones_and_parameters():
+    off = Offloader(CPU, CPU, min_bytes=1024)
+    big, small = torch.randn(64, 64), torch.randn(8)
+    param = torch.nn.Parameter(torch.randn(64, 64))
+    packed = off.pack(big)
+    assert packed.untyped_storage().data_ptr() != big.untyped_storage().data_ptr()
+    assert torch.equal(packed, big) and off.offloaded_bytes == big.nbytes
+    assert off.pack(big) is packed  # saved twice (e.g. by ReLU and the next conv): one copy
+    assert off.pack(small) is small and off.pack(param) is param
+    big.mul_(2)  # a new version is a new value: copied again
+    again = off.pack(big)
+    assert again is not packed and torch.equal(again, big) and off.offloaded_bytes == 2 * big.nbytes
+
+
+def test_unpack_restores_values_in_fresh_storage_and_keeps_layout():
+    off = Offloader(CPU, CPU, min_bytes=0)
+    t = torch.randn(2, 8, 16, 16).to(memory_format=torch.channels_last)
+    packed = off.pack(t)
+    restored = off.unpack(packed)
+    assert torch.equal(restored, t) and restored.stride() == t.stride()
+    assert restored.untyped_storage().data_ptr() not in (t.untyped_storage().data_ptr(),
+                                                         packed.untyped_storage().data_ptr())
+    plain = torch.randn(3)
+    assert off.unpack(plain) is plain  # never offloaded: passed through
+
+
+def _grads(model, x, hooks=None):
+    model.zero_grad(set_to_none=True)
+    if hooks is None:
+        out = model(x)
+    else:
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            out = model(x)
+    out.square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def model_and_plain_grads():
+    model = build_unet(seed=0).eval()  # eval: BatchNorm state does not change between runs
+    x = torch.rand(1, 1, 192, 192, generator=torch.Generator().manual_seed(0))
+    return model, x, _grads(model, x)
+
+
+def test_gradients_are_identical_with_offload(model_and_plain_grads):
+    model, x, plain = model_and_plain_grads
+    off = Offloader(CPU, CPU, min_bytes=64 * 1024)
+    offloaded = _grads(model, x, (off.pack, off.unpack))
+    assert off.offloaded_bytes > 20 * 2 ** 20  # most of the ~50 MiB saved at 192 px
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+
+
+def test_with_checkpoint_only_tensors_outside_regions_are_offloaded(model_and_plain_grads):
+    try:
+        from memstudy.techniques.checkpoint import apply_per_block
+    except ImportError:
+        pytest.skip("checkpoint technique not available yet")
+    model, x, plain = model_and_plain_grads
+    full = Offloader(CPU, CPU, min_bytes=64 * 1024)
+    _grads(model, x, (full.pack, full.unpack))
+    apply_per_block(model, selective=False)  # last use of the module-scoped model
+    inner = Offloader(CPU, CPU, min_bytes=64 * 1024)
+    grads = _grads(model, x, (inner.pack, inner.unpack))
+    assert 0 < inner.offloaded_bytes < 0.5 * full.offloaded_bytes
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(plain, grads))
+
+
+# -- on a GPU ------------------------------------------------------------------------------
+def _forward(record):
+    return {name: v for _, phase, name, v in record.metrics if phase == "forward"}
+
+
+@pytest.mark.gpu
+def test_gpu_saved_activations_move_to_host(make_config):
+    plain = execute(make_config(256, device="cuda", validate=False, max_steps=3), db=None)
+    off = execute(make_config(256, ["offload"], device="cuda", validate=False, max_steps=3), db=None)
+    assert plain.status == off.status == "ok", off.error
+    p, o = _forward(plain), _forward(off)
+    assert o["saved_bytes"] < 0.05 * p["saved_bytes"], (p, o)
+    assert o["saved_host_bytes"] > 0.9 * p["saved_bytes"]
+    assert o["alloc_held_bytes"] < 0.5 * p["alloc_held_bytes"]
+
+
+@pytest.mark.gpu
+def test_gpu_gradients_match_without_offload():
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    model = build_unet(seed=0).cuda().eval()
+    x = torch.rand(2, 1, 256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    plain = _grads(model, x)
+    off = Offloader(torch.device("cuda"), CPU, min_bytes=64 * 1024, pin_memory=True)
+    offloaded = _grads(model, x, (off.pack, off.unpack))
+    assert off.offloaded_bytes > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
