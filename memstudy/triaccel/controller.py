@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import traceback
 from typing import Any
 
 import torch
@@ -173,6 +174,12 @@ class TriAccelController:
         failed = self.rt.batch_size
         if not self.elastic.on_oom():
             return False
+        # The failed attempt's activations are still referenced by the frames in the error's
+        # traceback (a reference cycle only the garbage collector would break, later): free
+        # them now, or the retry at the smaller batch runs out of memory too.
+        traceback.clear_frames(exc.__traceback__)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.rt.batch_size = self.elastic.batch
         self.probe.read()  # forget the failed attempt's peak: the next window starts clean
         self._set_learning_rates(None)
