@@ -59,6 +59,7 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
             indices = chunk[rt.shard[0]::rt.shard[1]].tolist()
             x, y = make_batch(train_set, indices, in_device)
             measured = first_measured <= state.step < last_measured
+            recorder.in_warmup = state.step < first_measured
             try:
                 loss = _train_step(model, rt, optimizer, recorder, state, x, y, measured)
             except PhaseFailure as failure:

@@ -47,7 +47,7 @@ class DataConfig:
     train_images: int = 48  # the study: 48 training and 12 validation radiographs
     val_images: int = 12
     seed: int = 0  # phantom seed, or the seed of the folder's train / val split
-    cache_dir: str | None = None  # keep generated items on disk here (.npy)
+    cache_dir: str | None = None  # keep generated items on disk here (.npy); else $MEMSTUDY_CACHE
 
     def validate(self) -> None:
         if self.source not in SOURCES:
@@ -227,5 +227,5 @@ def build_datasets(cfg: DataConfig, size: int) -> tuple[RadiographDataset, Radio
         val = [PhantomSource(cfg.seed, cfg.train_images + i) for i in range(cfg.val_images)]
     else:
         train, val = _split_folder(cfg)
-    return (RadiographDataset(train, size, cfg.cache_dir),
-            RadiographDataset(val, size, cfg.cache_dir))
+    cache = cfg.cache_dir or os.environ.get("MEMSTUDY_CACHE") or None  # env: a machine-wide cache
+    return (RadiographDataset(train, size, cache), RadiographDataset(val, size, cache))

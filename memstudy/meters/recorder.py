@@ -40,6 +40,8 @@ class PhaseRecorder:
         self.unmeasured_times: dict[str, list[float]] = defaultdict(list)
         self.step_times: dict[bool, list[float]] = {True: [], False: []}  # by measured or not
         self._measuring = False
+        self._timing = True
+        self.in_warmup = True  # set by the training loop; validation passes ignore it
         self._saved: dict[tuple[str, int], tuple[int, Any, torch.device]] = {}
         self._meter: LiveTensorMeter | None = None
         # On the CPU a memory budget is enforced by a tensor meter that stays on for every step.
@@ -68,6 +70,7 @@ class PhaseRecorder:
                 self.runtime.saved_tensor_observers.append(self._observe_saved)
                 stack.callback(self.runtime.saved_tensor_observers.remove, self._observe_saved)
             self._measuring = measured
+            self._timing = timed
             self._sync()
             t0 = time.perf_counter()
             try:
@@ -75,7 +78,7 @@ class PhaseRecorder:
             finally:
                 self._measuring = False
             self._sync()
-            if timed:
+            if timed and not self.in_warmup:
                 self.step_times[measured].append(time.perf_counter() - t0)
 
     @contextmanager
@@ -95,7 +98,8 @@ class PhaseRecorder:
             self._after(name, rec)
             self.measured[name].append(rec)
         else:
-            self.unmeasured_times[name].append(elapsed)
+            if self._timing and not self.in_warmup:  # warm-up steps count nowhere
+                self.unmeasured_times[name].append(elapsed)
 
     def close(self) -> None:
         if self.nvml is not None:

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one call: GPU tests, then the benchmarks named in $1
+# (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
+# then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
+#
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [maxres] [triaccel] [kernels] [distributed]
+#
+# Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-out}"
+RES="$OUT/results"
+mkdir -p "$RES"
+export PYTHONUNBUFFERED=1 MEMSTUDY_CACHE="${MEMSTUDY_CACHE:-/tmp/memstudy-cache}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ] && ! python3 -c "import segmentation_models_pytorch, pytorch_msssim, momentumnet" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+PY=python3
+nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+$PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))" | tee "$RES/env.txt"
+
+STEPS="${*:-tests foundation techniques maxres triaccel kernels}"
+DB="$RES/gpu.sqlite"
+for step in $STEPS; do
+    echo "=== $step $(date +%T)"
+    case "$step" in
+        tests) $PY -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests 2>&1 | tee "$RES/gpu-tests.log" ;;
+        foundation) $PY benchmarks/bench_foundation.py --db "$DB" --md "$RES/foundation.md" 2>&1 | tee "$RES/foundation.log" ;;
+        techniques) $PY benchmarks/bench_techniques.py --db "$DB" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
+        maxres) $PY benchmarks/bench_maxres.py --out "$RES/maxres" 2>&1 | tee "$RES/maxres.log" ;;
+        triaccel) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel" 2>&1 | tee "$RES/triaccel.log" ;;
+        kernels) $PY benchmarks/bench_kernels.py --out "$RES/kernels" 2>&1 | tee "$RES/kernels.log" ;;
+        distributed) $PY benchmarks/bench_distributed.py --out "$RES/distributed" 2>&1 | tee "$RES/distributed.log" ;;
+        *) echo "unknown step $step" ;;
+    esac
+done
+tar czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$RES"
+echo "=== done $(date +%T)"
