@@ -1,0 +1,106 @@
+"""Tri-Accel on the U-Net (seeds/000 Tables 1 and 2, adapted): GPU benchmark, run by the lead.
+
+    python benchmarks/bench_triaccel.py --out benchmarks/results/triaccel [--sizes 1024 2048]
+
+Configurations (cumulative, as the paper's ablation):
+  fp32        plain float32 (the paper's "FP32 baseline" / "Standard Training")
+  amp         static AMP, amp:fp16 (autocast float16 + loss scaling) for every layer
+  +batch      amp:fp16 + tri_accel elastic batch only (precision and curvature off)
+  +precision  tri_accel elastic batch + per-unit adaptive precision (curvature off)
+  tri_accel   all three parts
+Every run: synthetic phantoms, batch 1 to start, the same epochs, a budget of 16 GiB (the
+paper's T4/P100 cards, emulated by memstudy's allocator cap), every step after one warm-up
+step measured so the peak covers the whole run. Writes triaccel.sqlite and triaccel.md
+into --out: peak memory, time per epoch, validation quality and the efficiency score
+(memstudy.triaccel.report.run_efficiency, defined in docs/triaccel.md).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from memstudy.config import RunConfig
+from memstudy.runner import execute
+from memstudy.store import ResultsDB
+from memstudy.triaccel.report import run_efficiency
+from memstudy.units import MB
+
+TRI = "tri_accel:t_ctrl=2:t_curv=4:b_curv=1:curv_crop=512:power_iters=3:max_batch=8"
+CONFIGS = {
+    "fp32": [],
+    "amp": ["amp:fp16"],
+    "+batch": ["amp:fp16", f"{TRI}:precision=off:curvature=off"],
+    "+precision": [f"{TRI}:curvature=off"],
+    "tri_accel": [TRI],
+}
+
+
+def config(size: int, techniques: list[str], args) -> RunConfig:
+    cfg = RunConfig(techniques=list(techniques), budget=args.budget, label=f"bench_triaccel {size}")
+    t = cfg.train
+    t.image_size, t.batch_size, t.epochs, t.device, t.seed = size, 1, args.epochs, "cuda", 0
+    t.warmup_steps, t.measure_steps = 1, 10_000  # every step measured: a whole-run peak
+    cfg.data.train_images, cfg.data.val_images = args.train_images, 2
+    return cfg
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--train-images", type=int, default=12)
+    p.add_argument("--budget", default="16GiB")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_triaccel needs a CUDA GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    db = ResultsDB(args.out / "triaccel.sqlite")
+    rows = []
+    for size in args.sizes:
+        for name, techniques in CONFIGS.items():
+            t0 = time.perf_counter()
+            rec = execute(config(size, techniques, args), db)
+            run_id = db.runs()[-1]["id"]
+            eff = run_efficiency(db, run_id) if rec.status == "ok" else {}
+            batches = [v for _, _, n, v in rec.series if n == "batch_size"]
+            rows.append({"size": size, "name": name, "status": rec.status, "run_id": run_id,
+                         "max_batch": max(batches) if batches else None, **eff})
+            print(f"{size} {name}: {rec.status} {eff} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    gpu = torch.cuda.get_device_name()
+    (args.out / "triaccel.md").write_text(markdown(rows, gpu, args))
+    print(f"wrote {args.out / 'triaccel.md'}")
+    return 0
+
+
+def markdown(rows: list[dict], gpu: str, args) -> str:
+    lines = [f"# Tri-Accel on the U-Net ({gpu})", "",
+             f"torch {torch.__version__}, budget {args.budget}, {args.epochs} epochs of "
+             f"{args.train_images} synthetic phantoms, batch 1 at start. Score = Q / (T x M) x 100 "
+             "(docs/triaccel.md).", ""]
+    for size in sorted({r["size"] for r in rows}):
+        here = [r for r in rows if r["size"] == size]
+        base = next((r for r in here if r["name"] == "fp32" and r.get("peak_bytes")), None)
+        lines += [f"## {size} px", "",
+                  "| config | status | val MS-SSIM % | time/epoch s | peak MB | memory % | "
+                  "vs fp32 | max batch | score |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in here:
+            red = (f"{100 * (1 - r['peak_bytes'] / base['peak_bytes']):+.1f}% less"
+                   if base and r.get("peak_bytes") else "-")
+            lines.append(f"| {r['name']} | {r['status']} | {_f(r.get('quality_pct'))} | "
+                         f"{_f(r.get('time_per_epoch_s'))} | {_f(r.get('peak_bytes'), MB, 0)} | "
+                         f"{_f(r.get('memory_pct'))} | {red} | {r.get('max_batch')} | {_f(r.get('score'), 1, 3)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _f(v, div: float = 1, nd: int = 2) -> str:
+    return "-" if v is None else f"{v / div:.{nd}f}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
