@@ -63,6 +63,8 @@ def test_checkpoint_lowers_saved_activations(plain, checkpointed):
     limit = {"selective": 0.75, "block": 0.4, "sqrt": 0.2}[placement]
     for figure in ("saved_bytes", "tensor_held_bytes"):
         assert step.forward[figure] < limit * plain.forward[figure], (placement, figure)
+    if placement == "selective":  # the convolution outputs really are kept (else = block, 0.31x)
+        assert step.forward["saved_bytes"] > 0.5 * plain.forward["saved_bytes"]
 
 
 def test_checkpoint_gradients_and_bn_statistics_match_plain(plain, checkpointed):
