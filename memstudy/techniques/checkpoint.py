@@ -3,9 +3,9 @@
 Memory / compute trade-off: a checkpointed region keeps only its inputs for backward (plus,
 with `selective`, the outputs the policy saves); everything else it computed is dropped and
 recomputed, region by region, when backward reaches it. Forward memory falls by roughly the
-activations inside regions; backward pays one extra forward of every region (about +30% step
-time for a convolutional net, less with `selective`) and holds one region's activations at a
-time while recomputing. Non-reentrant `torch.utils.checkpoint` is used throughout.
+activations inside regions; backward pays one extra forward of every region (the forward is
+about a third of a step, so expect up to ~+1/3 step time; less with `selective`, which
+recomputes no convolution) and holds one region's activations at a time while recomputing. Non-reentrant `torch.utils.checkpoint` is used throughout.
 
 Placements (positional option `placement`):
 - `block`: every residual block of layer1..layer4 and every decoder block is one region. The
