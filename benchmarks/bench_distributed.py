@@ -45,6 +45,7 @@ def run_cell(args, techniques: str, size: int, db: Path) -> str:
            "--set", f"data.train_images={args.train_images}",
            "--set", f"data.val_images={args.val_images}",
            "--set", f"train.measure_steps={args.measure_steps}",
+           "--set", "train.warmup_steps=2",  # every cell alike; dp needs 2 (DDP buckets)
            "--label", f"bench_distributed {techniques} {size}", "-q"]
     t0 = time.perf_counter()
     try:

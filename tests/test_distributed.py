@@ -24,9 +24,10 @@ TABLE_6 = ["mp", "mp,amp", "mp,checkpoint", "mp,invertible", "mp,amp,checkpoint"
 
 
 def plan_for(techniques: str, world_size: int = 2, device: str = "cuda", n_gpus: int = 2,
-             batch_size: int = 2) -> Plan:
+             batch_size: int = 2, warmup_steps: int = 2) -> Plan:
     """make_plan's checks, with the device given instead of probed."""
-    cfg = small_config(techniques=techniques.split(","), batch_size=batch_size)
+    cfg = small_config(techniques=techniques.split(","), batch_size=batch_size,
+                       warmup_steps=warmup_steps)
     cfg.world_size = world_size
     cfg.train.device = device
     cfg.check()
@@ -58,6 +59,7 @@ def test_split_applies_after_other_structural_techniques():
     ("mp", dict(world_size=3, n_gpus=3), ["world_size = 2"]),
     ("mp", dict(world_size=1), ["world_size"]),
     ("dp", dict(world_size=1), ["world_size >= 2"]),
+    ("dp", dict(warmup_steps=1), ["train.warmup_steps"]),
     ("dp", dict(batch_size=3), ["train.batch_size 3", "world_size 2"]),
     ("fsdp", dict(batch_size=5), ["train.batch_size 5"]),
     ("dp:backend=nccl", dict(device="cpu", n_gpus=0), ["backend=nccl", "gloo"]),
@@ -71,6 +73,7 @@ def test_split_applies_after_other_structural_techniques():
     ("dp", dict(world_size=4, n_gpus=2), ["only 2 GPU"]),
     ("pipeline:micro_batches=3", dict(batch_size=4), ["micro_batches=3", "train.batch_size 4"]),
     ("mp,checkpoint:sqrt", dict(), ["checkpoint:block"]),
+    ("pipeline:micro_batches=1", dict(), ["micro_batches must be >= 2"]),
 ])
 def test_impossible_combinations_are_refused_by_name(techniques, kwargs, words):
     with pytest.raises(ConfigError) as err:
@@ -82,7 +85,7 @@ def test_impossible_combinations_are_refused_by_name(techniques, kwargs, words):
 def test_world_size_without_a_distributed_technique_is_refused():
     from memstudy.distributed.launch import group_backend
 
-    cfg = small_config(techniques=[], batch_size=2)
+    cfg = small_config(techniques=[], batch_size=2, warmup_steps=2)
     cfg.world_size = 2
     with pytest.raises(ConfigError, match="no distributed technique"):
         group_backend(cfg)

@@ -10,8 +10,9 @@ from memstudy.cli import main
 from memstudy.distributed import RANK_MAX, RANK_MEAN
 from memstudy.store import ResultsDB
 
-COMMON = ["--size", "192", "--batch-size", "2", "--steps", "2", "--set", "world_size=2",
-          "--set", "train.measure_steps=1", "--set", "data.train_images=4",
+COMMON = ["--size", "192", "--batch-size", "2", "--steps", "3", "--set", "world_size=2",
+          "--set", "train.warmup_steps=2", "--set", "train.measure_steps=1",
+          "--set", "data.train_images=6",
           "--set", "data.val_images=1", "-q"]
 
 
@@ -33,7 +34,7 @@ def _check_one_distributed_run(db: ResultsDB) -> dict:
         assert metrics[(RANK_MAX, phase)]["time_s"] == max(t)
     epochs = db.epochs(runs[0]["id"])
     assert sorted(e["rank"] for e in epochs) == [0, 1]
-    assert all(e["steps"] == 2 and e["val_loss"] is not None for e in epochs)
+    assert all(e["steps"] == 3 and e["val_loss"] is not None for e in epochs)
     return metrics
 
 

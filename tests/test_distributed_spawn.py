@@ -28,7 +28,7 @@ def _build(techniques, **train):
     from memstudy.runner import seed_everything
     from memstudy.techniques.compose import build_pipeline, make_plan
 
-    cfg = small_config(SIZE, techniques, batch_size=BATCH, **train)
+    cfg = small_config(SIZE, techniques, batch_size=BATCH, **{"warmup_steps": 2, **train})
     cfg.world_size = WORLD
     seed_everything(cfg.train.seed)
     return build_pipeline(make_plan(cfg))
@@ -123,11 +123,14 @@ def scenario_pipeline(r):
     build = _build(["pipeline:micro_batches=2:schedule=gpipe"])
     x, y = _batch()
     loss = build.runtime.forward_backward(build.model, x, y)
-    ref, _ = _reference(micro=2)
+    ref, ref_out = _reference(micro=2)
     ref_grads = _grads(ref.named_parameters())
     got = _grads(build.model.part.named_parameters())
     count, diff = _close(got, ref_grads, _unet_name)
-    return {"n": count, "diff": diff, "loss": loss.item()}
+    from memstudy.quality import MSSSIMLoss
+
+    ref_loss = sum(MSSSIMLoss(5)(o, t) for o, t in zip(ref_out.chunk(2), y.chunk(2))) / 2
+    return {"n": count, "diff": diff, "loss": loss.item(), "ref_loss": ref_loss.item()}
 
 
 def scenario_mp_training(r):
@@ -153,8 +156,9 @@ def scenario_compositions(r):
 
     out = {}
     for techniques in COMPOSITIONS:
-        cfg = small_config(SIZE, techniques.split(","), batch_size=BATCH, max_steps=1,
-                           warmup_steps=0, measure_steps=1, validate=False)
+        warm = 2 if "dp" in techniques else 0  # dp refuses to measure before step 3
+        cfg = small_config(SIZE, techniques.split(","), batch_size=BATCH, max_steps=warm + 1,
+                           warmup_steps=warm, measure_steps=1, validate=False)
         cfg.world_size = WORLD
         rec = execute(cfg, None)
         out[techniques] = (rec.status, rec.error)
@@ -237,6 +241,7 @@ def test_pipeline_equals_unsplit_micro_batched(ranks):
     for f in found:
         assert f["n"] > 20 and f["diff"] < 1e-5, f
     assert found[0]["loss"] == found[1]["loss"]
+    assert found[1]["loss"] == pytest.approx(found[1]["ref_loss"], abs=1e-6)
 
 
 def test_mp_trains_with_a_scheduler_and_records_every_rank(ranks):

@@ -36,6 +36,12 @@ def check(opts: Options, plan: Plan) -> None:
                           "supported: drop dp, or use mp:mode=process without dp")
     if plan.has("fsdp"):
         raise ConfigError("fsdp is itself data parallel (it shards what dp replicates): drop dp")
+    if plan.config.train.warmup_steps < 2:
+        # DDP rebuilds its gradient buckets (a gradient-sized allocation) in the forward of
+        # the second step; measured, it would add the parameters' size to that forward.
+        raise ConfigError(f"dp needs train.warmup_steps >= 2 (got "
+                          f"{plan.config.train.warmup_steps}): DDP reallocates its gradient "
+                          "buckets in the second step; set --set train.warmup_steps=2")
     context.check_world(plan, "dp")
     context.check_batch_divides(plan, "dp")
     context.resolve_backend(opts.backend, plan.device, "dp", gloo_on_cuda=True)

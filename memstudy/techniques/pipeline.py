@@ -10,7 +10,7 @@ schedule call, measured as one phase, `forward_backward`.
 
 Equality with the unsplit model holds micro-batch by micro-batch: batch norm normalises
 over each micro-batch, so a pipelined step equals gradient accumulation over the same
-micro-batches on one device (exactly the unsplit step when micro_batches = 1).
+micro-batches on one device.
 """
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ class Options:
 
 
 def check(opts: Options, plan: Plan) -> None:
-    if opts.micro_batches < 1:
-        raise ConfigError(f"pipeline:micro_batches must be >= 1 (got {opts.micro_batches})")
+    if opts.micro_batches < 2:
+        raise ConfigError(f"pipeline:micro_batches must be >= 2, the number of stages (got "
+                          f"{opts.micro_batches}); for one micro-batch use mp")
     b = plan.config.train.batch_size
     if b % opts.micro_batches:
         raise ConfigError(f"pipeline:micro_batches={opts.micro_batches} must divide "
@@ -99,7 +100,10 @@ class PipelinedStep:
                 self.schedule.step(x)
             else:
                 self.schedule.step(target=y.to(device))
-        value = (torch.stack(self.losses).mean().float() if self.rank == 1
+        # the schedule's first step also calls the loss once while inferring shapes: keep
+        # the micro-batches' losses only
+        value = (torch.stack(self.losses[-self.opts.micro_batches:]).mean().float()
+                 if self.rank == 1
                  else torch.zeros((), device=device))
         dist.broadcast(value, src=1)  # both ranks record the step's loss
         return value
