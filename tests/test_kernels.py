@@ -2,6 +2,11 @@
 on a GPU compiled (marked gpu)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,9 +28,9 @@ def _exact(segments: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, var
 
 
-@pytest.mark.parametrize("offset", [0.0, 100.0])  # 100: a mean far above the spread
-def test_grad_stats_kernel_equals_reference_interpreted(monkeypatch, offset):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def check_interpreted(offset: float) -> None:
+    """The kernel under the interpreter vs the reference and float64 (run in a child process)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
     segments = _segments(SIZES, offset)
     flat = flatten(segments)
     layout = make_layout(SIZES, tile=4096)  # small tiles: segments span several of them
@@ -37,6 +42,17 @@ def test_grad_stats_kernel_equals_reference_interpreted(monkeypatch, offset):
     torch.testing.assert_close(var.double(), exact_var, rtol=1e-3, atol=1e-12)
     torch.testing.assert_close(mean.double(), exact_mean, rtol=1e-6, atol=1e-6)
     assert var[0] == 0  # one element: no spread
+
+
+@pytest.mark.parametrize("offset", [0.0, 100.0])  # 100: a mean 1e5 times the spread
+def test_grad_stats_kernel_equals_reference_interpreted(offset):
+    # A child process: TRITON_INTERPRET must be set before triton is first imported (its own
+    # library functions are decorated then), and other tests may already have imported it.
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import test_kernels; test_kernels.check_interpreted({offset})")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_layout_tiles_never_straddle_segments():

@@ -159,3 +159,20 @@ def test_efficiency_score_definition_and_stored_run(tmp_path):
     assert eff["score"] == pytest.approx(80.0 / (4.0 * 50.0) * 100)
     rows = control_rows(db, run_id)
     assert rows[1] == {"step": 2, "name": "precision", "unit": "stem", "value": 1.0, "level": "bf16"}
+
+
+@pytest.mark.gpu
+def test_full_tri_accel_run_on_gpu(make_config, tmp_path):
+    from memstudy.runner import execute
+    from memstudy.store import ResultsDB
+    from memstudy.triaccel.report import control_rows
+
+    cfg = make_config(size=256, techniques=["tri_accel:t_ctrl=1:t_curv=2:power_iters=2:top_k=2"])
+    cfg.train.device = "cuda"
+    cfg.data.train_images = 6
+    db = ResultsDB(tmp_path / "r.sqlite")
+    rec = execute(cfg, db)
+    assert rec.status == "ok", rec.error
+    names = {r["name"] for r in control_rows(db, db.runs()[-1]["id"])}
+    assert {"precision", "grad_var", "eig2", "lambda_max", "lr", "mem_used_bytes",
+            "batch_next", "batch_size"} <= names
