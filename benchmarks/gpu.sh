@@ -31,7 +31,7 @@ for step in $STEPS; do
     case "$step" in
         tests) $PY -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests 2>&1 | tee "$RES/gpu-tests.log" ;;
         foundation) $PY benchmarks/bench_foundation.py --db "$DB" --md "$RES/foundation.md" 2>&1 | tee "$RES/foundation.log" ;;
-        techniques) $PY benchmarks/bench_techniques.py --db "$DB" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
+        techniques) $PY benchmarks/bench_techniques.py --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
         maxres) $PY benchmarks/bench_maxres.py --out "$RES/maxres" 2>&1 | tee "$RES/maxres.log" ;;
         triaccel) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel" 2>&1 | tee "$RES/triaccel.log" ;;
         kernels) $PY benchmarks/bench_kernels.py --out "$RES/kernels" 2>&1 | tee "$RES/kernels.log" ;;

@@ -39,6 +39,8 @@ class PhaseRecorder:
         self.measured: dict[str, list[dict[str, float]]] = defaultdict(list)
         self.unmeasured_times: dict[str, list[float]] = defaultdict(list)
         self.step_times: dict[bool, list[float]] = {True: [], False: []}  # by measured or not
+        self.bookkeeping: list[float] = []  # seconds per measured step spent by the meters between phases
+        self._step_id = 0
         self._measuring = False
         self._timing = True
         self.in_warmup = True  # set by the training loop; validation passes ignore it
@@ -71,6 +73,7 @@ class PhaseRecorder:
                 stack.callback(self.runtime.saved_tensor_observers.remove, self._observe_saved)
             self._measuring = measured
             self._timing = timed
+            self._step_id += 1
             self._sync()
             t0 = time.perf_counter()
             try:
@@ -79,7 +82,14 @@ class PhaseRecorder:
                 self._measuring = False
             self._sync()
             if timed and not self.in_warmup:
-                self.step_times[measured].append(time.perf_counter() - t0)
+                wall = time.perf_counter() - t0
+                if measured:  # the phases' own time; the meters' bookkeeping between them apart
+                    inside = sum(recs[-1]["time_s"] for recs in self.measured.values()
+                                 if recs and recs[-1].get("_step") == self._step_id)
+                    self.step_times[True].append(inside)
+                    self.bookkeeping.append(wall - inside)
+                else:
+                    self.step_times[False].append(wall)
 
     @contextmanager
     def phase(self, name: str, measure: bool | None = None) -> Iterator[None]:
@@ -95,6 +105,7 @@ class PhaseRecorder:
         elapsed = time.perf_counter() - t0
         if measuring:
             rec["time_s"] = elapsed
+            rec["_step"] = self._step_id
             self._after(name, rec)
             self.measured[name].append(rec)
         else:
@@ -185,7 +196,7 @@ class PhaseRecorder:
         """Per phase: memory figures as the maximum over measured steps, times as medians."""
         out: dict[str, dict[str, float]] = {}
         for phase, recs in self.measured.items():
-            keys = recs[0].keys()
+            keys = [k for k in recs[0] if not k.startswith("_")]
             out[phase] = {k: (statistics.median if k in TIME_FIGURES else max)(r[k] for r in recs)
                           for k in keys}
             out[phase]["measured_steps"] = len(recs)
@@ -206,6 +217,8 @@ class PhaseRecorder:
             run["step_time_s"] = run["metered_step_time_s"]
         if metered and plain:
             run["meter_overhead"] = run["metered_step_time_s"] / run["step_time_s"] - 1
+        if self.bookkeeping:
+            run["meter_bookkeeping_s"] = statistics.median(self.bookkeeping)
         peaks = [r.get("alloc_start_bytes", 0) + r["alloc_peak_bytes"]
                  for recs in self.measured.values() for r in recs if "alloc_peak_bytes" in r]
         if peaks:
