@@ -94,6 +94,7 @@ class MaxresResult:
     found_px: int | None = None
     probes: list[Probe] = field(default_factory=list)
     error: str | None = None
+    max_size: int | None = None  # the search's upper end: found_px == max_size is a lower bound
 
     def at_found(self) -> Probe | None:
         return next((p for p in self.probes if p.size == self.found_px and p.status == "ok"), None)
@@ -247,6 +248,7 @@ def maxres(template: RunConfig, techniques: list[str], db_path: str | Path,
             result.fit_phase, result.fit, result.predicted_px = predict(usable, limit)
         start = result.predicted_px or max([p.size for p in usable] or [MIN_PX])
         progress(f"  {result.name}: predicted {result.predicted_px} px; searching from {start} px")
+        result.max_size = max_size // GRID_PX * GRID_PX
         result.found_px = search(prober.fits, start, MIN_PX, max_size)
     except ProbeError as exc:
         result.error = str(exc)
@@ -300,6 +302,12 @@ def search_all(template: RunConfig, technique_sets: list[list[str]], db_path: st
     return results
 
 
+def _note(r: MaxresResult) -> str:
+    if r.found_px is not None and r.found_px == r.max_size:
+        return "reached the largest size probed (raise --max-size)"
+    return "does not train at the smallest size" if r.found_px is None else ""
+
+
 def maxres_table(results: list[MaxresResult]) -> str:
     from memstudy.tables import format_table
 
@@ -308,6 +316,6 @@ def maxres_table(results: list[MaxresResult]) -> str:
         at = r.at_found()
         rows.append([r.name, r.budget, r.predicted_px, r.found_px,
                      mb(at.peak_bytes) if at and at.peak_bytes else None,
-                     at.step_time_s if at else None, len(r.probes), r.error or ""])
+                     at.step_time_s if at else None, len(r.probes), r.error or _note(r)])
     return format_table(["techniques", "budget", "predicted px", "found px", "peak MB",
-                         "step s", "probes", "error"], rows)
+                         "step s", "probes", "note"], rows)
