@@ -133,7 +133,7 @@ def record_timeout(db: ResultsDB, config: RunConfig, key: str, started: float,
                         status="error", env=info, started_at=started, label=config.label,
                         failed_phase="timeout",
                         error=f"cell exceeded its timeout of {time.time() - started:.0f} s and "
-                              "was killed; raise timeout_s in the grid spec"))
+                              "was killed; raise timeout_s in the grid spec (--timeout)"))
 
 
 def run_isolated(config: RunConfig, db_path: str | Path, timeout_s: float | None = None,
