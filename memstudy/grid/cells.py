@@ -89,8 +89,8 @@ class CellProcess:
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
-        cmd = [sys.executable, "-m", "memstudy", "--db", self.db_path, "run", "--config",
-               str(toml), "-q"]
+        # progress lines go to the cell's log: `tail -f` it to follow a long cell
+        cmd = [sys.executable, "-m", "memstudy", "--db", self.db_path, "run", "--config", str(toml)]
         parent = os.getpid()
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
