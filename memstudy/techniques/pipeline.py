@@ -94,6 +94,8 @@ class PipelinedStep:
             self.schedule = self._make(device)
         if rt.scaler is not None:
             p2p.synchronise_overflow(rt.scaler)
+            if self.rank == 0:  # rank 0 computes no loss, but its scaler must be initialised
+                rt.scaler.scale(torch.zeros((), device=device))  # to unscale and step
         self.losses = []
         with rt.forward_context():
             if self.rank == 0:
