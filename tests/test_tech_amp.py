@@ -36,8 +36,9 @@ def one_forward_backward(techniques: list[str]) -> dict:
             rt.backward(loss)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     conv_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Conv2d))
-    return {"loss": loss.item(), "grads": grads, "forward": recorder.summary()["forward"],
-            "conv_weights": conv_weights, "notes": build.notes, "runtime": rt}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return {"loss": loss.item(), "grads": grads, "buffers": buffers, "conv_weights": conv_weights,
+            "forward": recorder.summary()["forward"], "notes": build.notes, "runtime": rt}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,18 @@ def test_bf16_gradients_close_to_fp32(fp32, bf16):
 
 def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float((value - reference).norm() / reference.norm())
+
+
+def test_checkpoint_recomputes_under_the_forward_autocast(bf16):
+    """checkpoint replays the forward's autocast state when it recomputes in backward: with
+    amp:bf16 the gradients and BatchNorm statistics (updated in forward, restored after each
+    recomputation in backward) equal amp:bf16 alone."""
+    both = one_forward_backward(["amp:bf16", "checkpoint:sqrt"])
+    assert both["forward"]["saved_bytes"] < 0.5 * bf16["forward"]["saved_bytes"]
+    for name, grad in bf16["grads"].items():
+        torch.testing.assert_close(both["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    for name, buf in bf16["buffers"].items():
+        torch.testing.assert_close(both["buffers"][name], buf, msg=name)
 
 
 def test_amp_resets_process_global_tf32():
