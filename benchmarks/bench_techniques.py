@@ -93,8 +93,11 @@ def main() -> None:
         grid(args.db, "techniques-memory.toml", ["-q"])
     if "loss" not in args.skip:
         grid(args.loss_db, "techniques-loss.toml", ["-q"])
-    text = "\n".join([header(args.db), "### Per-phase peak memory and time per step (Table 2, Fig. 2)",
-                      *memory_section(args.db), *loss_section(args.loss_db)]) + "\n"
+    parts = [header(args.db), "### Per-phase peak memory and time per step (Table 2, Fig. 2)",
+             *memory_section(args.db)]
+    if Path(args.loss_db).exists():
+        parts += loss_section(args.loss_db)
+    text = "\n".join(parts) + "\n"
     Path(args.md).write_text(text)
     print(text)
 

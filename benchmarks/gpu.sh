@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [maxres] [triaccel] [kernels] [distributed]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [distributed]
 #
 # Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
 set -uo pipefail
@@ -24,14 +24,15 @@ PY=python3
 nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
 $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))" | tee "$RES/env.txt"
 
-STEPS="${*:-tests foundation techniques maxres triaccel kernels}"
+STEPS="${*:-tests foundation techniques techniques-loss maxres triaccel kernels}"
 DB="$RES/gpu.sqlite"
 for step in $STEPS; do
     echo "=== $step $(date +%T)"
     case "$step" in
         tests) $PY -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests 2>&1 | tee "$RES/gpu-tests.log" ;;
         foundation) $PY benchmarks/bench_foundation.py --db "$DB" --md "$RES/foundation.md" 2>&1 | tee "$RES/foundation.log" ;;
-        techniques) $PY benchmarks/bench_techniques.py --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
+        techniques) $PY benchmarks/bench_techniques.py --skip loss --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
+        techniques-loss) $PY benchmarks/bench_techniques.py --skip memory --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques-loss.md" 2>&1 | tee "$RES/techniques-loss.log" ;;
         maxres) $PY benchmarks/bench_maxres.py --out "$RES/maxres" 2>&1 | tee "$RES/maxres.log" ;;
         triaccel) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel" 2>&1 | tee "$RES/triaccel.log" ;;
         kernels) $PY benchmarks/bench_kernels.py --out "$RES/kernels" 2>&1 | tee "$RES/kernels.log" ;;
