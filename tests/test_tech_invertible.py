@@ -6,7 +6,6 @@ import torch
 
 from memstudy.errors import ConfigError
 from memstudy.models import build_unet
-from memstudy.quality import MSSSIMLoss
 from memstudy.runner import execute
 from memstudy.techniques import get_technique
 from memstudy.techniques.base import Plan
@@ -64,13 +63,13 @@ def test_gamma_zero_with_backprop_is_resnet34(train):
     plain, mom = build_unet(seed=0), build_unet(seed=0)
     convert_residual_stages(mom, gamma=0.0, memory_saving=False)
     plain.train(train), mom.train(train)
-    torch.testing.assert_close(mom(_x()), plain(_x()), rtol=0, atol=1e-6)
+    torch.testing.assert_close(mom(_x(1, 64)), plain(_x(1, 64)), rtol=0, atol=1e-6)
 
 
 def test_encoder_saves_less_for_backward():
     plain, mom = build_unet(seed=0), build_unet(seed=0)
     convert_residual_stages(mom, gamma=0.9)
-    before, after = _saved_bytes(plain.encoder, _x()), _saved_bytes(mom.encoder, _x())
+    before, after = _saved_bytes(plain.encoder, _x(1)), _saved_bytes(mom.encoder, _x(1))
     # Measured 44.7 -> 27.0 MiB (-40%) at 2 x 192 px; docs/techniques/invertible.md.
     assert after < 0.65 * before, (before, after)
 
@@ -107,13 +106,14 @@ def one_step_each():
     convert_residual_stages(saving, 0.9, memory_saving=True)
     convert_residual_stages(backprop, 0.9, memory_saving=False)
     for model in (saving, backprop):
-        model(_x(batch=1)).mean().backward()
+        model(_x(batch=1, size=128)).mean().backward()
     return saving, backprop
 
 
 def test_whole_model_gradient_close_to_backprop_mode(one_step_each):
     grads = [torch.cat([p.grad.flatten() for p in m.parameters()]) for m in one_step_each]
-    # Measured 1.7e-3: the ~1e-5 forward difference above, amplified by train-mode BatchNorm.
+    # Measured 1.2e-3 (1 x 128 px; 1.7e-3 at 2 x 192): the ~1e-5 forward difference above,
+    # amplified by train-mode BatchNorm.
     assert (grads[0] - grads[1]).norm() / grads[1].norm() < 1e-2
 
 
@@ -140,17 +140,17 @@ def test_rebuild_under_bf16_autocast_matches_the_forward():
 def test_trains_on_a_fixed_batch():
     model = build_unet(seed=0)
     convert_residual_stages(model, 0.9)
-    loss_fn, opt = MSSSIMLoss(5), torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = _x(batch=1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = _x(batch=2, size=64)
     y = torch.clamp(x * 1.5 - 0.2, 0, 1)
     losses = []
     for _ in range(4):
-        loss = loss_fn(model(x), y)
+        loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.01, losses
+    assert losses[-1] < 0.9 * losses[0], losses
 
 
 def test_combines_with_checkpoint_in_the_harness(make_config):
@@ -160,6 +160,7 @@ def test_combines_with_checkpoint_in_the_harness(make_config):
         pytest.skip("checkpoint technique not available yet")
     cfg = make_config(192, ["invertible", "checkpoint"], validate=False, max_steps=1,
                       warmup_steps=0)
+    cfg.meter.tensor = "off"  # the saved-tensor observer still runs; the per-op meter is slow
     rec = execute(cfg, db=None)
     assert rec.status == "ok", rec.error
     forward = {name: v for _, phase, name, v in rec.metrics if phase == "forward"}

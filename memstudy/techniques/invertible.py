@@ -52,7 +52,8 @@ class Options:
                 "reconstruction"})
     memory_saving: bool = field(default=True, metadata={
         "help": "rebuild activations in backward (momentumnet use_backprop=False); false keeps "
-                "the momentum network but backpropagates normally (control for the function change)"})
+                "the momentum network but backpropagates normally (control for the function "
+                "change)"})
 
 
 class _Replayable(nn.Module):
@@ -68,7 +69,8 @@ class _Replayable(nn.Module):
         if self.replay_autocast is None:
             return self.block(x)
         device_type, enabled, dtype = self.replay_autocast
-        with torch.autocast(device_type, dtype=dtype, enabled=enabled), _frozen_bn_stats(self.block):
+        autocast = torch.autocast(device_type, dtype=dtype, enabled=enabled)
+        with autocast, _frozen_bn_stats(self.block):
             return self.block(x)
 
 
@@ -127,7 +129,8 @@ def preserves_shape(block: nn.Module) -> bool:
         and convs[0].in_channels == convs[-1].out_channels
 
 
-def convert_stage(stage: nn.Sequential, gamma: float, memory_saving: bool) -> tuple[nn.Sequential, list[int]]:
+def convert_stage(stage: nn.Sequential, gamma: float,
+                  memory_saving: bool) -> tuple[nn.Sequential, list[int]]:
     """Stage with every maximal run of shape-preserving blocks as MomentumBlocks; also returns
     the indices of the converted blocks."""
     parts: list[nn.Module] = []
@@ -147,8 +150,9 @@ def convert_stage(stage: nn.Sequential, gamma: float, memory_saving: bool) -> tu
     return nn.Sequential(*parts), converted
 
 
-def convert_residual_stages(model: nn.Module, gamma: float, memory_saving: bool = True) -> dict[str, list[int]]:
-    """Replace the model's residual stages in place; returns {stage name: converted block indices}."""
+def convert_residual_stages(model: nn.Module, gamma: float,
+                            memory_saving: bool = True) -> dict[str, list[int]]:
+    """Replace the model's residual stages in place; returns {stage: converted block indices}."""
     report = {}
     for name in model.residual_stage_names:
         new, converted = convert_stage(getattr(model.encoder, name), gamma, memory_saving)

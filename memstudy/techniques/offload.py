@@ -111,7 +111,7 @@ class Offloader:
 
 
 def _indexed(device: torch.device) -> torch.device:
-    """'cuda' -> 'cuda:N' (the current GPU): saved tensors carry an index, and must compare equal."""
+    """'cuda' -> 'cuda:N' (the current GPU): saved tensors carry an index and must compare equal."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
