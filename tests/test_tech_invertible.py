@@ -165,3 +165,26 @@ def test_combines_with_checkpoint_in_the_harness(make_config):
     assert rec.status == "ok", rec.error
     forward = {name: v for _, phase, name, v in rec.metrics if phase == "forward"}
     assert forward["saved_bytes"] > 0
+
+
+def test_rebuild_does_not_update_fake_quantization_observers():
+    """invertible + quantization: observers see each block once per step (in the forward)."""
+    from torch.ao.quantization import FakeQuantizeBase
+
+    from memstudy.techniques.quantization import prepare
+    model = build_unet(seed=0)
+    convert_residual_stages(model, 0.9)
+    prepare(model, "x86")
+    calls: list[tuple[bool, int]] = []  # (during backward, observer enabled)
+    phase = {"backward": False}
+    for fq in model.modules():
+        if isinstance(fq, FakeQuantizeBase):
+            fq.register_forward_pre_hook(
+                lambda m, args: calls.append((phase["backward"], int(m.observer_enabled))))
+    out = model(_x(1, 64)).mean()
+    phase["backward"] = True
+    out.backward()
+    rebuilt = [enabled for in_backward, enabled in calls if in_backward]
+    assert rebuilt and not any(rebuilt)  # blocks were re-run, with observers off
+    assert all(int(m.observer_enabled) == 1 for m in model.modules()
+               if isinstance(m, FakeQuantizeBase))  # and switched back on afterwards
