@@ -126,15 +126,21 @@ def test_rebuild_leaves_batchnorm_running_stats_alone(one_step_each):
 
 
 def test_rebuild_under_bf16_autocast_matches_the_forward():
+    """Forward under autocast, backward outside it (as Runtime does): the rebuild must re-enter
+    bf16. Measured (layer1) 0.9% relative from backprop; a float32 rebuild gives 6.2%."""
     blocks = list(build_unet(seed=0).residual_stages[0])
-    saving = MomentumBlocks(copy.deepcopy(blocks), 0.9, memory_saving=True)
-    backprop = MomentumBlocks(copy.deepcopy(blocks), 0.9, memory_saving=False)
     x = torch.relu(torch.randn(2, 64, 48, 48, generator=torch.Generator().manual_seed(0)))
     w = torch.randn(2, 64, 48, 48, generator=torch.Generator().manual_seed(1))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, g_s = _grads(saving, x, w)
-        _, g_b = _grads(backprop, x, w)
-    assert (g_s - g_b).norm() / g_b.norm() < 0.05, "bf16 rounding only, not a float32 rebuild"
+    grads = []
+    for memory_saving in (True, False):
+        module = MomentumBlocks(copy.deepcopy(blocks), 0.9, memory_saving)
+        xr = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(xr)
+        (out * w).sum().backward()
+        params = [p.grad.flatten() for p in module.parameters()]
+        grads.append(torch.cat([xr.grad.flatten(), *params]))
+    assert (grads[0] - grads[1]).norm() / grads[1].norm() < 0.03
 
 
 def test_trains_on_a_fixed_batch():
