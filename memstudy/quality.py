@@ -20,8 +20,9 @@ def msssim_weights(scales: int) -> list[float]:
 
 
 def min_image_size(scales: int) -> int:
-    """pytorch-msssim needs the smaller side > (win - 1) * 2**(scales - 1)."""
-    return (WIN_SIZE - 1) * 2 ** (scales - 1) + 1
+    """Smallest side the loss accepts. pytorch-msssim's ms_ssim asserts a side > (win - 1) * 2**4
+    whatever the number of scales; one scale is plain SSIM, which needs one window."""
+    return WIN_SIZE if scales == 1 else (WIN_SIZE - 1) * 2 ** 4 + 1
 
 
 def check_image_size(size: int, scales: int) -> None:

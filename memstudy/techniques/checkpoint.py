@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -128,8 +129,13 @@ def checkpointed_call(fn: Callable, modules: list[nn.Module], selective: bool, *
         context_fn = functools.partial(_contexts, modules, selective)
     # respect_saved_tensors_hooks: tensors `selective` keeps go through the runtime's
     # saved-tensor hooks like any other saved tensor (the meters count them, offload moves them).
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn,
-                      respect_saved_tensors_hooks=True, **kwargs)
+    # Older torch (before the option existed) keeps them outside the hooks: the meters then
+    # miss what `selective` saves, and the run's notes say so.
+    extra = {"respect_saved_tensors_hooks": True} if _HAS_RESPECT_HOOKS else {}
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **extra, **kwargs)
+
+
+_HAS_RESPECT_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
 
 
 def checkpoint_module(module: nn.Module, selective: bool = False) -> None:
