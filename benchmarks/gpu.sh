@@ -24,6 +24,8 @@ PY=python3
 nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
 $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))" | tee "$RES/env.txt"
 
+# Databases carried from an earlier call (.carry/*.sqlite) are resumed: recorded cells are skipped.
+[ -d .carry ] && cp .carry/*.sqlite "$RES/" 2>/dev/null
 STEPS="${*:-tests foundation techniques techniques-loss maxres triaccel kernels}"
 DB="$RES/gpu.sqlite"
 for step in $STEPS; do
