@@ -5,6 +5,7 @@
 #
 #   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [distributed]
 #
+# A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,15 +29,18 @@ $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.de
 [ -d .carry ] && cp .carry/*.sqlite "$RES/" 2>/dev/null
 STEPS="${*:-tests foundation techniques techniques-loss maxres triaccel kernels}"
 DB="$RES/gpu.sqlite"
-for step in $STEPS; do
-    echo "=== $step $(date +%T)"
+for item in $STEPS; do
+    step="${item%%:*}"           # "maxres:240" runs maxres for at most 240 s
+    limit="${item#*:}"; [ "$limit" = "$item" ] && limit=3600
+    echo "=== $step $(date +%T) (limit ${limit}s)"
+    PY="timeout --signal=INT --kill-after=20 $limit python3"
     case "$step" in
         tests) $PY -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests 2>&1 | tee "$RES/gpu-tests.log" ;;
         foundation) $PY benchmarks/bench_foundation.py --db "$DB" --md "$RES/foundation.md" 2>&1 | tee "$RES/foundation.log" ;;
         techniques) $PY benchmarks/bench_techniques.py --skip loss --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
         techniques-loss) $PY benchmarks/bench_techniques.py --skip memory --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques-loss.md" 2>&1 | tee "$RES/techniques-loss.log" ;;
-        maxres) $PY benchmarks/bench_maxres.py --out "$RES/maxres" 2>&1 | tee "$RES/maxres.log" ;;
-        triaccel) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel" 2>&1 | tee "$RES/triaccel.log" ;;
+        maxres) $PY benchmarks/bench_maxres.py --out "$RES/maxres" ${MAXRES_ARGS:-} 2>&1 | tee "$RES/maxres.log" ;;
+        triaccel) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel" ${TRIACCEL_ARGS:-} 2>&1 | tee "$RES/triaccel.log" ;;
         kernels) $PY benchmarks/bench_kernels.py --out "$RES/kernels" 2>&1 | tee "$RES/kernels.log" ;;
         distributed) $PY benchmarks/bench_distributed.py --out "$RES/distributed" 2>&1 | tee "$RES/distributed.log" ;;
         *) echo "unknown step $step" ;;
