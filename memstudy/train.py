@@ -81,7 +81,7 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
                   "train_loss": sum(losses) / len(losses) if losses else None,
                   "time_s": time.perf_counter() - t0}
         if cfg.validate:
-            record.update(validate(build, val_set, recorder))
+            record.update(validate(build, val_set, recorder, state.step))
         state.epochs.append(record)
         if progress:
             progress(_epoch_line(record, cfg.epochs))
@@ -144,7 +144,7 @@ def _retry_after_oom(failure: PhaseFailure, rt, optimizer, state: TrainState) ->
 
 
 @torch.no_grad()
-def validate(build: Build, val_set, recorder: PhaseRecorder) -> dict[str, float]:
+def validate(build: Build, val_set, recorder: PhaseRecorder, step: int = 0) -> dict[str, float]:
     model, rt, cfg = build.model, build.runtime, build.config.train
     model.eval()
     sums: dict[str, float] = {}
@@ -158,7 +158,10 @@ def validate(build: Build, val_set, recorder: PhaseRecorder) -> dict[str, float]
             for k, v in quality(out, y.to(out.device), cfg.msssim_scales).items():
                 sums[k] = sums.get(k, 0.0) + v * len(x)
     model.train()
-    return {f"val_{k}": v / len(val_set) for k, v in sums.items()}
+    result = {f"val_{k}": v / len(val_set) for k, v in sums.items()}
+    if not math.isfinite(result["val_loss"]):  # e.g. fp16 overflow left inf in BN statistics
+        raise Diverged("validation", step, result["val_loss"])
+    return result
 
 
 def _epoch_line(r: dict, epochs: int) -> str:
