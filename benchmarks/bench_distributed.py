@@ -37,7 +37,16 @@ def world_of(techniques: str) -> int:
     return 1 if techniques == "original" else 2
 
 
+def recorded(db: Path, techniques: str, size: int) -> bool:
+    """A cell already in the database (any final status) is not run again: resumable."""
+    return db.exists() and bool(ResultsDB(db).query(
+        "SELECT id FROM runs WHERE label = ?", (f"bench_distributed {techniques} {size}",)))
+
+
 def run_cell(args, techniques: str, size: int, db: Path) -> str:
+    if recorded(db, techniques, size):
+        print(f"{size:5d} px  {techniques:32s} recorded already", flush=True)
+        return "recorded"
     cmd = [sys.executable, "-m", "memstudy", "--db", str(db), "run", "--size", str(size),
            "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
            "--device", args.device, "-t", "none" if techniques == "original" else techniques,

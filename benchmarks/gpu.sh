@@ -27,6 +27,7 @@ $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.de
 
 # Databases carried from an earlier call (.carry/*.sqlite) are resumed: recorded cells are skipped.
 [ -d .carry ] && cp .carry/*.sqlite "$RES/" 2>/dev/null
+[ -d .carry/dist ] && mkdir -p "$RES/distributed" && cp .carry/dist/*.sqlite "$RES/distributed/" 2>/dev/null
 STEPS="${*:-tests foundation techniques techniques-loss maxres triaccel kernels}"
 DB="$RES/gpu.sqlite"
 for item in $STEPS; do
