@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import sys
 
 from memstudy.config import RunConfig, load_toml, set_value, split_techniques
@@ -205,6 +206,16 @@ def add_study_parsers(sub) -> None:
     report.set_defaults(func=cmd_report)
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    from memstudy.store import merge_databases
+
+    missing = [src for src in args.sources if not Path(src).is_file()]
+    if missing:
+        raise ConfigError(f"no such database: {', '.join(missing)}")
+    print(f"copied {merge_databases(args.db, args.sources)} runs into {args.db}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memstudy", description=__doc__)
     parser.add_argument("--db", default=default_db_path(), help="results database (SQLite)")
@@ -215,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     tech = sub.add_parser("techniques", help="list techniques and their options")
     tech.set_defaults(func=cmd_techniques)
+    merge = sub.add_parser("merge", help="copy the runs of several databases into --db")
+    merge.add_argument("sources", nargs="+", help="results databases to copy from")
+    merge.set_defaults(func=cmd_merge)
     add_study_parsers(sub)
     return parser
 

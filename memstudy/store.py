@@ -162,5 +162,42 @@ class ResultsDB:
                               "ORDER BY rank, step", (run_id, name_like))
 
 
+def merge_databases(target: str | Path, sources: list[str | Path]) -> int:
+    """Copy every run (with its metrics, epochs, series) of `sources` into `target`, renumbered,
+    in one transaction per source; other tables (e.g. maxres) are copied row by row. Returns
+    the number of runs copied. Used to gather benchmark databases into one for the notebooks."""
+    db = ResultsDB(target)
+    copied = 0
+    for src in sources:
+        con = db._connect()
+        try:
+            con.execute("ATTACH DATABASE ? AS src", (str(src),))
+            with con:
+                copied += _merge_attached(con)
+        finally:
+            con.close()
+    return copied
+
+
+def _merge_attached(con: sqlite3.Connection) -> int:
+    cols = [r[1] for r in con.execute("PRAGMA src.table_info(runs)") if r[1] != "id"]
+    ids = [r[0] for r in con.execute("SELECT id FROM src.runs ORDER BY id")]
+    for old in ids:
+        new = con.execute(f"INSERT INTO runs ({', '.join(cols)}) SELECT {', '.join(cols)} "
+                          "FROM src.runs WHERE id = ?", (old,)).lastrowid
+        for table in ("metrics", "epochs", "series"):
+            rest = [r[1] for r in con.execute(f"PRAGMA src.table_info({table})") if r[1] != "run_id"]
+            con.execute(f"INSERT INTO {table} (run_id, {', '.join(rest)}) SELECT ?, "
+                        f"{', '.join(rest)} FROM src.{table} WHERE run_id = ?", (new, old))
+    known = {"runs", "metrics", "epochs", "series", "sqlite_sequence"}
+    for (table, sql) in con.execute("SELECT name, sql FROM src.sqlite_master WHERE type = 'table'"):
+        if table in known:
+            continue
+        con.execute(sql.replace("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1))
+        rest = [r[1] for r in con.execute(f"PRAGMA src.table_info({table})") if r[1] != "id"]
+        con.execute(f"INSERT INTO {table} ({', '.join(rest)}) SELECT {', '.join(rest)} FROM src.{table}")
+    return len(ids)
+
+
 def _num(value: Any) -> float | None:
     return None if value is None else float(value)

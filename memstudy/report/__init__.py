@@ -11,7 +11,7 @@ Python API (all take a database path or a ResultsDB; rows are lists of dicts, pa
     png(fig) -> PNG bytes (IPython.display.Image(png(fig)) in a notebook)
     render(table_name, rows, fmt)       one table as term / md / csv / latex / html
     build_report(db, fmt)               everything, as `memstudy report` prints it
-    notebook_db()                       $MEMSTUDY_DB, else benchmarks/results/gpu.sqlite
+    notebook_db()                       $MEMSTUDY_DB, else benchmarks/results/h200/gpu.sqlite
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from memstudy.report.tables import (COLUMNS, TABLES, TITLES, as_cells, largest_s
 from memstudy.tables import FORMATS, render_table
 from memstudy.units import mb, parse_bytes
 
-GPU_DB = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu.sqlite"
+GPU_DB = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "gpu.sqlite"
 
 
 def notebook_db() -> Path:

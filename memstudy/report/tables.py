@@ -71,7 +71,9 @@ def losses(db: DB, image_size: int | None = None) -> Rows:
     """Table 1: train and validation loss (1 - MS-SSIM) of the final epoch, SSIM and PSNR."""
     rows = []
     for (name, size, batch, device), runs in _groups(load_runs(db)).items():
-        done = [r for r in runs if r["status"] == "ok" and r["last_epoch"]]
+        # runs without validation (memory grids) have no place in a loss table
+        done = [r for r in runs if r["status"] == "ok" and r["last_epoch"]
+                and r["last_epoch"].get("val_loss") is not None]
         if (image_size is not None and size != image_size) or not done:
             continue
         last = [r["last_epoch"] for r in done]
