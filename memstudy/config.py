@@ -143,15 +143,19 @@ def _section(name: str, cls: type, value: Any) -> Any:
     return cls(**value)
 
 
-def load_toml(path: str | Path) -> RunConfig:
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A TOML file as a dict; a missing or malformed file is a ConfigError naming it."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found")
+        raise ConfigError(f"{what} {str(path)!r} not found")
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return from_dict(raw)
+
+
+def load_toml(path: str | Path) -> RunConfig:
+    return from_dict(read_toml(path))
 
 
 def set_value(cfg: RunConfig, assignment: str) -> None:

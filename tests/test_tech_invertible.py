@@ -10,6 +10,7 @@ from memstudy.runner import execute
 from memstudy.techniques import get_technique
 from memstudy.techniques.base import Plan
 from memstudy.techniques.invertible import MomentumBlocks, convert_residual_stages
+from helpers import saved_bytes
 
 TECH = get_technique("invertible")
 
@@ -18,18 +19,6 @@ def _x(batch=2, size=192):
     return torch.rand(batch, 1, size, size, generator=torch.Generator().manual_seed(1))
 
 
-def _saved_bytes(fn, *args) -> int:
-    """Distinct storages saved for backward during fn(*args), parameters excluded."""
-    sizes: dict[int, int] = {}
-
-    def pack(t):
-        if not (t.is_leaf and t.requires_grad):
-            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(sizes.values())
 
 
 def _plan(chosen):
@@ -69,7 +58,7 @@ def test_gamma_zero_with_backprop_is_resnet34(train):
 def test_encoder_saves_less_for_backward():
     plain, mom = build_unet(seed=0), build_unet(seed=0)
     convert_residual_stages(mom, gamma=0.9)
-    before, after = _saved_bytes(plain.encoder, _x(1)), _saved_bytes(mom.encoder, _x(1))
+    before, after = saved_bytes(plain.encoder, _x(1)), saved_bytes(mom.encoder, _x(1))
     # Measured 44.7 -> 27.0 MiB (-40%) at 2 x 192 px; docs/techniques/invertible.md.
     assert after < 0.65 * before, (before, after)
 

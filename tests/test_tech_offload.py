@@ -8,6 +8,7 @@ from memstudy.runner import execute
 from memstudy.techniques import get_technique
 from memstudy.techniques.base import Plan
 from memstudy.techniques.offload import Offloader
+from helpers import saved_bytes
 
 TECH = get_technique("offload")
 CPU = torch.device("cpu")
@@ -53,17 +54,6 @@ def test_unpack_restores_values_in_fresh_storage_and_keeps_layout():
     assert off.unpack(plain) is plain  # never offloaded: passed through
 
 
-def _saved_bytes(model, x) -> int:
-    sizes: dict[int, int] = {}
-
-    def pack(t):
-        if not (t.is_leaf and t.requires_grad):
-            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return sum(sizes.values())
 
 
 def _grads(model, x, hooks=None):
@@ -81,7 +71,7 @@ def _grads(model, x, hooks=None):
 def model_and_plain_grads():
     model = build_unet(seed=0).eval()  # eval: BatchNorm state does not change between runs
     x = torch.rand(1, 1, 96, 96, generator=torch.Generator().manual_seed(0))
-    return model, x, _grads(model, x), _saved_bytes(model, x)
+    return model, x, _grads(model, x), saved_bytes(model, x)
 
 
 def test_gradients_are_identical_with_offload(model_and_plain_grads):

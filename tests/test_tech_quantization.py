@@ -11,6 +11,7 @@ from memstudy.runtime import StepInfo
 from memstudy.techniques import get_technique
 from memstudy.techniques.compose import build_pipeline, make_plan
 from memstudy.techniques.quantization import fake_quantizers, prepare
+from helpers import saved_bytes
 
 X = torch.rand(1, 1, 96, 96, generator=torch.Generator().manual_seed(1))
 Y = torch.clamp(X * 1.4 - 0.2, 0, 1)
@@ -21,17 +22,6 @@ def qat():
     return prepare(build_unet(seed=0), "x86")
 
 
-def _saved_bytes(model, x) -> int:
-    sizes: dict[int, int] = {}
-
-    def pack(t):
-        if not (t.is_leaf and t.requires_grad):
-            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return sum(sizes.values())
 
 
 def test_every_conv_but_the_head_gets_weight_and_output_fake_quantizers(qat):
@@ -81,7 +71,7 @@ def test_saves_more_for_backward_than_float():
     conv weights (fake-quantized weights saved by each conv) plus 1-byte masks."""
     plain, quant = build_unet(seed=0), prepare(build_unet(seed=0), "x86")
     conv_weight_bytes = sum(m.weight.nbytes for m in quant.modules() if isinstance(m, QATConv2d))
-    before, after = _saved_bytes(plain, X), _saved_bytes(quant, X)
+    before, after = saved_bytes(plain, X), saved_bytes(quant, X)
     assert after > before + 0.9 * conv_weight_bytes, (before, after, conv_weight_bytes)
 
 

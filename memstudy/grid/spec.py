@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import copy
 import itertools
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memstudy.config import RunConfig, from_dict, split_techniques
+from memstudy.config import RunConfig, from_dict, read_toml, split_techniques
 from memstudy.errors import ConfigError
 from memstudy.runner import resolved, run_name
 
@@ -49,14 +48,7 @@ class Cell:
 
 
 def load_spec(path: str | Path) -> GridSpec:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"grid spec {str(path)!r} not found")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return spec_from_dict(raw, default_name=path.stem)
+    return spec_from_dict(read_toml(path, "grid spec"), default_name=Path(path).stem)
 
 
 def spec_from_dict(raw: dict[str, Any], default_name: str = "grid") -> GridSpec:
