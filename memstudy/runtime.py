@@ -79,6 +79,13 @@ class Runtime:
 
         def observed_pack(tensor: torch.Tensor) -> Any:
             packed = pack(tensor)
+            if packed is tensor:
+                # Keep a detached alias, never the tensor itself: a saved *output* still holds
+                # its grad_fn, which owns this SavedVariable, so storing it forms a cycle through
+                # C++ that gc.collect() cannot break. backward() releases it, but a step that
+                # fails before backward (an OOM) would keep its whole forward alive. autograd
+                # re-attaches the grad_fn on unpack (what it does itself for saved outputs).
+                packed = tensor.detach()
             for observe in observers:
                 observe(packed)
             return packed

@@ -48,10 +48,10 @@ def test_capped_budget_run_grows_hits_oom_shrinks_and_finishes(make_config, tmp_
     cfg.budget = "440MiB"
     cfg.data.train_images = 5
     cfg.train.validate = False
-    # Unmeasured steps only: inside a measured step the recorder keeps a failed forward's
-    # tensors alive after an out-of-memory error (reported to the meters' owner), which would
-    # make every retry fail too.
-    cfg.train.warmup_steps = 10
+    # The step that grows to 4 is measured (all three tries of it): a failed measured forward
+    # must free its tensors, or every retry fails too (tests/test_oom_retry.py).
+    cfg.train.warmup_steps = 1
+    cfg.train.measure_steps = 1
     db = ResultsDB(tmp_path / "r.sqlite")
     rec = execute(cfg, db)
     assert rec.status == "ok", rec.error
@@ -61,7 +61,9 @@ def test_capped_budget_run_grows_hits_oom_shrinks_and_finishes(make_config, tmp_
     assert ooms, f"expected an out-of-memory error from growth; batches {batches}"
     assert ooms == [3.0]  # one row per step: the last failure (4 failed first)
     assert batches == [1, 2, 2]  # 4 and 3 failed and were retried at 2; no regrowth
-    assert rec.metrics and dict(((p, n), v) for _, p, n, v in rec.metrics)[("run", "oom_retries")] == 2
+    metrics = dict(((p, n), v) for _, p, n, v in rec.metrics)
+    assert metrics[("run", "oom_retries")] == 2
+    assert metrics[("forward", "measured_steps")] == 1  # the try that fitted, at batch 2
     assert sum(batches) == 5  # every image trained once: the failed step was retried
     (run,) = db.runs()
     stored = {r["name"] for r in db.series(run["id"], "tri/%")}
