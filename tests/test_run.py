@@ -135,7 +135,7 @@ def test_cli_run_prints_the_phase_table_and_stores_the_run(tmp_path, capsys):
     db = tmp_path / "cli.sqlite"
     code = main(["--db", str(db), "run", "--size", "192", "--device", "cpu", "-q",
                  "--set", "data.train_images=2", "--set", "data.val_images=1",
-                 "--set", "train.measure_steps=1"])
+                 "--set", "train.measure_steps=1", "--set", "train.warmup_steps=1"])
     out = capsys.readouterr().out
     assert code == 0, out
     for word in ("forward", "backward", "step", "peak MB", "time per step", "stored in"):
