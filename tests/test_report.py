@@ -82,3 +82,33 @@ def test_html_is_one_offline_file(db, tmp_path):
 def test_missing_database_is_refused(tmp_path, capsys):
     assert main(["report", str(tmp_path / "none.sqlite")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_tri_accel_section_only_with_tri_accel_runs(db, make_config, tmp_path):
+    from memstudy.runner import execute
+    from memstudy.triaccel import run_efficiency
+    from memstudy.triaccel.precision import LEVELS
+
+    assert "Tri-Accel" not in report.build_report(db, "md")  # no tri_accel run: no section
+    tri = ResultsDB(tmp_path / "tri.sqlite")
+    for techniques in ([], ["tri_accel:low=bf16:t_ctrl=1:t_curv=2:power_iters=1:max_batch=1"]):
+        cfg = make_config(techniques=techniques)
+        cfg.budget = "2GiB"  # the elastic batch needs a capacity on the CPU
+        cfg.data.train_images = 3
+        assert execute(cfg, tri).status == "ok"
+    base, run = tri.runs()
+    rows = report.tri_efficiency(tri)
+    assert [r["run"] for r in rows] == [base["id"], run["id"]]  # the fp32 run is the baseline
+    for r in rows:
+        assert r["score"] == pytest.approx(run_efficiency(tri, r["run"])["score"])
+    assert rows[1]["score"] > 0 and rows[1]["tri_accel"] and not rows[0]["tri_accel"]
+    md = report.build_report(tri, "md")
+    assert "## Tri-Accel efficiency score" in md and f"{rows[1]['score']:.3f}" in md
+    assert report.build_report(tri, "csv").count("# ") == 5
+    series = report.tri_control_series(tri, run["id"])
+    assert series["levels"] == list(LEVELS) and series["units"][0] == "stem"
+    assert len(series["precision"]["stem"]) == 3 and series["lambda_max"]["head"]
+    assert series["mem_capacity_mb"][0][1] == 2048 and series["batch_size"]
+    html = report.build_report(tri, "html")
+    assert "Tri-Accel control steps" in html and f"run {run['id']}: tri_accel" in html
+    assert html.count("data:image/png;base64,") == 3  # resolution, ratio-free DB, one tri run

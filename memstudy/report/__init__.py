@@ -10,6 +10,8 @@ Python API (all take a database path or a ResultsDB; rows are lists of dicts, pa
     ratio_chart, resolution_chart, largest_size_chart, loss_curve_chart -> matplotlib Figure;
     png(fig) -> PNG bytes (IPython.display.Image(png(fig)) in a notebook)
     render(table_name, rows, fmt)       one table as term / md / csv / latex / html
+    tri_efficiency(db), tri_control_series(db, run_id), tri_control_chart(series)
+                                        Tri-Accel section (only for databases with tri_accel runs)
     build_report(db, fmt)               everything, as `memstudy report` prints it
     notebook_db()                       $MEMSTUDY_DB, else benchmarks/results/h200/gpu.sqlite
 """
@@ -20,9 +22,12 @@ from pathlib import Path
 
 from memstudy.report.data import load_maxres, load_runs, open_db
 from memstudy.report.plots import (largest_size_chart, loss_curve_chart, png, ratio_chart,
-                                   resolution_chart)
+                                   resolution_chart, tri_control_chart)
 from memstudy.report.tables import (COLUMNS, TABLES, TITLES, as_cells, largest_size, loss_curves,
                                     losses, memory_ratios, memory_vs_resolution, phase_memory)
+from memstudy.report.triaccel import control_series as tri_control_series
+from memstudy.report.triaccel import efficiency as tri_efficiency
+from memstudy.report.triaccel import tri_runs
 from memstudy.tables import FORMATS, render_table
 from memstudy.units import mb, parse_bytes
 
@@ -51,11 +56,16 @@ def build_report(db, fmt: str = "term", budget: str | None = None) -> str:
         raise ValueError(f"report format {fmt!r} unknown; choose one of {FORMATS}")
     db = open_db(db)
     tables = {name: fn(db) for name, fn in TABLES.items()}
+    tri = tri_efficiency(db)  # [] unless the database holds tri_accel runs
+    if tri:
+        tables["tri_efficiency"] = tri
     if fmt == "html":
         from memstudy.report.html import build_html
 
         resolution = memory_vs_resolution(db)
-        return build_html(str(db.path), tables, resolution, budget_line(resolution, budget))
+        controls = [(run, tri_control_series(db, run["id"])) for run in tri_runs(db)] if tri else []
+        return build_html(str(db.path), tables, resolution, budget_line(resolution, budget),
+                          controls)
     heading = {"term": "{}\n", "md": "## {}\n\n", "csv": "# {}\n", "latex": "% {}\n"}[fmt]
     sections = [heading.format(TITLES[name]) + (render(name, rows, fmt) if rows else "(no runs)")
                 for name, rows in tables.items()]
@@ -65,4 +75,5 @@ def build_report(db, fmt: str = "term", budget: str | None = None) -> str:
 __all__ = ["COLUMNS", "TABLES", "TITLES", "build_report", "budget_line", "largest_size",
            "largest_size_chart", "load_maxres", "load_runs", "loss_curve_chart", "loss_curves", "losses", "memory_ratios",
            "memory_vs_resolution", "notebook_db", "open_db", "phase_memory", "png",
-           "ratio_chart", "render", "resolution_chart"]
+           "ratio_chart", "render", "resolution_chart", "tri_control_chart",
+           "tri_control_series", "tri_efficiency"]

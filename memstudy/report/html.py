@@ -26,7 +26,9 @@ def _img(fig, alt: str) -> str:
 
 
 def build_html(source: str, tables: dict[str, list[dict[str, Any]]], resolution: list[dict],
-               budget_mb: float | None) -> str:
+               budget_mb: float | None, tri_controls: list[tuple[dict, dict]] = ()) -> str:
+    """`tri_controls`: (run, control_series) per Tri-Accel run, plotted after the
+    `tri_efficiency` table (memstudy.report.triaccel)."""
     parts = [f"<h1>memstudy report</h1><p>{escape(source)} &middot; generated "
              f"{time.strftime('%Y-%m-%d %H:%M')}</p>"]
     for name, rows in tables.items():
@@ -36,8 +38,20 @@ def build_html(source: str, tables: dict[str, list[dict[str, Any]]], resolution:
             parts.append(_img(plots.ratio_chart(rows), "memory ratio vs original per phase"))
         if name == "largest_size" and rows:
             parts.append(_img(plots.largest_size_chart(rows), "largest trainable size"))
+        if name == "tri_efficiency":
+            parts.append(_tri_runs(tri_controls))
     parts.append("<h2>Memory vs resolution</h2>")
     parts.append(_img(plots.resolution_chart(resolution, budget_mb), "memory vs resolution")
                  if resolution else "<p>no runs</p>")
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>memstudy report</title>"
             f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>")
+
+
+def _tri_runs(controls) -> str:
+    parts = ["<h3>Tri-Accel control steps</h3><p>Per run: precision per unit, top Hessian "
+             "eigenvalue and learning rate per unit, batch size, memory used vs capacity.</p>"]
+    for run, series in controls:
+        title = f"run {run['id']}: {run['name']}, {run['image_size']} px"
+        parts.append(f"<h4>{escape(title)}</h4>")
+        parts.append(_img(plots.tri_control_chart(series, title), f"Tri-Accel controls, {title}"))
+    return "".join(parts)

@@ -102,3 +102,62 @@ def loss_curve_chart(rows: Rows):
     if runs:
         ax.legend(fontsize=7)
     return fig
+
+
+def tri_control_chart(series: dict[str, Any], title: str = ""):
+    """One Tri-Accel run over its control steps (memstudy.report.triaccel.control_series):
+    per-unit precision as a heat map, lambda_max and learning rate per unit, batch size,
+    memory used vs capacity. Panels with no rows (a part switched off) say so."""
+    from matplotlib.colors import ListedColormap
+
+    fig = _figure(12, 10)
+    fig.suptitle(title, fontsize=9)
+    (heat, lam), (lr, batch), (mem, legend) = fig.subplots(3, 2)
+    units, levels = series["units"], series["levels"]
+    steps = sorted({s for pts in series["precision"].values() for s, _ in pts})
+    if steps:
+        col = {s: i for i, s in enumerate(steps)}
+        grid = [[float("nan")] * len(steps) for _ in units]
+        for u, unit in enumerate(units):
+            for s, v in series["precision"].get(unit, []):
+                grid[u][col[s]] = v
+        # one column per control step, centred on its step number (t_ctrl apart), so the
+        # x axis matches the other panels
+        half = (steps[1] - steps[0]) / 2 if len(steps) > 1 else 0.5
+        image = heat.imshow(grid, aspect="auto", interpolation="nearest", vmin=-0.5,
+                            vmax=len(levels) - 0.5,
+                            extent=(steps[0] - half, steps[-1] + half, len(units) - 0.5, -0.5),
+                            cmap=ListedColormap(["#4c72b0", "#55a868", "#c44e52"][:len(levels)]))
+        heat.set_yticks(range(len(units)), units, fontsize=7)
+        fig.colorbar(image, ax=heat, ticks=range(len(levels))).ax.set_yticklabels(levels)
+    _panel(heat, "precision per unit", "control step", bool(steps))
+    for ax, kind, label in ((lam, "lambda_max", "lambda_max (symlog)"), (lr, "lr", "learning rate")):
+        for i, unit in enumerate(units):  # 11 units, 10 colours: dashed after the tenth
+            pts = series[kind].get(unit, [])
+            ax.plot([s for s, _ in pts], [v for _, v in pts], marker=".", label=unit,
+                    color=f"C{i % 10}", linestyle="-" if i < 10 else "--")
+        _panel(ax, label, "step", any(series[kind].values()))
+    lam.set_yscale("symlog", linthresh=1e-6)  # eigenvalues span 1e-6..1 and may be negative
+    pts = series["batch_size"]
+    batch.step([s for s, _ in pts], [v for _, v in pts], where="post", label="batch (every step)")
+    pts = series["batch_next"]
+    batch.plot([s for s, _ in pts], [v for _, v in pts], "o", label="chosen at control step")
+    _panel(batch, "batch size", "step", bool(series["batch_size"]))
+    for key in ("mem_used_mb", "mem_capacity_mb"):
+        pts = series[key]
+        mem.plot([s for s, _ in pts], [v for _, v in pts], marker=".", label=key[4:-3])
+    _panel(mem, "memory (MB): window peak used vs capacity", "control step",
+           bool(series["mem_used_mb"]))
+    legend.axis("off")
+    handles, labels = max(lr.get_legend_handles_labels(), lam.get_legend_handles_labels(),
+                          key=lambda hl: len(hl[0]))
+    if handles:
+        legend.legend(handles, labels, loc="center", fontsize=8, title="unit")
+    return fig
+
+
+def _panel(ax, title: str, xlabel: str, has_data: bool) -> None:
+    ax.set_title(title if has_data else f"{title}: not recorded (part off)", fontsize=9)
+    ax.set_xlabel(xlabel)
+    if has_data and ax.get_legend_handles_labels()[0] and len(ax.lines) <= 3:
+        ax.legend(fontsize=7)

@@ -143,19 +143,27 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
                      ("batch_size", "batch"), ("predicted_px", "predicted px"),
                      ("found_px", "found px"), ("peak_mb", "peak MB"), ("step_time_s", "step s"),
                      ("error", "error")],
+    # not in TABLES: shown only for databases with Tri-Accel runs (memstudy.report.triaccel)
+    "tri_efficiency": [("name", "techniques"), ("image_size", "px"), ("run", "run"),
+                       ("quality_pct", "val MS-SSIM %"), ("time_per_epoch_s", "epoch s"),
+                       ("peak_mb", "peak MB"), ("capacity_mb", "capacity MB"),
+                       ("memory_pct", "memory %"), ("score", "score")],
 }
 
 TITLES = {"phase_memory": "Per-phase peak memory (MB above the phase's start) and time",
           "losses": "Loss (1 - MS-SSIM) of the final epoch, validation SSIM and PSNR",
           "memory_ratios": "Peak memory relative to original, per phase (smaller is better)",
-          "largest_size": "Largest trainable square size under the budget"}
+          "largest_size": "Largest trainable square size under the budget",
+          "tri_efficiency": "Tri-Accel efficiency score: val MS-SSIM % / (s per epoch x "
+                            "memory %) x 100 (higher is better; docs/triaccel.md)"}
 
 TABLES = {"phase_memory": phase_memory, "losses": losses, "memory_ratios": memory_ratios,
           "largest_size": largest_size}
 
 
 PRECISION = {"train_loss": 4, "val_loss": 4, "val_ssim": 4, "val_psnr": 2, "step_time_s": 3,
-             "epoch_time_s": 2, "forward": 3, "backward": 3, "step": 3}  # MB: 2 decimals
+             "epoch_time_s": 2, "forward": 3, "backward": 3, "step": 3,
+             "memory_pct": 3, "score": 3}  # MB: 2 decimals
 
 
 def as_cells(table: str, rows: Rows, raw: bool = False) -> tuple[list[str], list[list[Any]]]:
