@@ -161,3 +161,104 @@ def test_gpu_cells_spread_over_visible_gpus(tmp_path):
     if torch.cuda.device_count() >= 2:  # one cell per GPU at a time: cells overlapped in time
         spans = sorted((r["started_at"], r["finished_at"]) for r in runs)
         assert any(nxt[0] < cur[1] for cur, nxt in zip(spans, spans[1:]))
+
+
+def test_gpu_slots_give_disjoint_sets_and_a_wide_cell_waits():
+    from memstudy.grid import GpuSlots
+
+    slots = GpuSlots(["0", "1"])
+    one = slots.take(1)
+    assert one == ["0"] and slots.take(2) is None  # the 2-GPU cell waits for both
+    other = slots.take(1)
+    assert other == ["1"] and not set(one) & set(other) and slots.take(1) is None
+    slots.give(one)
+    assert slots.take(2) is None  # GPU 1 still busy
+    slots.give(other)
+    both = slots.take(2)
+    assert both == ["0", "1"] and slots.take(1) is None
+    with pytest.raises(RuntimeError, match="given back twice"):
+        slots.give(["0"]) or slots.give(["0"])
+    cpu = slots.take(0)  # the CPU slot is separate, and one at a time
+    assert cpu == [] and slots.take(0) is None
+    slots.give(cpu)
+    assert slots.take(0) == []
+
+
+def test_scheduler_never_overlaps_gpus(monkeypatch, tmp_path):
+    """Fake children on fake GPU ids: a 2-GPU cell and two 1-GPU cells on 2 GPUs."""
+    from memstudy.grid import Cell, GpuSlots, GridResult, run as grid_run
+
+    held: dict[str, int] = {}
+    log: list[tuple[int, str | None]] = []
+
+    class FakeChild:
+        def __init__(self, config, db_path, gpu):
+            ids = gpu.split(",") if gpu else []
+            assert not set(ids) & set(held), f"GPUs {ids} already held by {held}"
+            held.update({g: config.train.seed for g in ids})
+            self.ids, self.polls, self.started = ids, 0, time.time()
+            log.append((config.train.seed, gpu))
+
+        def poll(self):
+            self.polls += 1
+            if self.polls < 3:
+                return None
+            for g in self.ids:
+                held.pop(g)
+            return 0
+
+        def finish(self, timed_out=False):
+            return "ok"
+
+    from conftest import small_config
+
+    cells = [Cell(index=i + 1, config=small_config(seed=i), gpus=n) for i, n in enumerate([1, 2, 1])]
+    monkeypatch.setattr(grid_run, "CellProcess", FakeChild)
+    result = GridResult(cells)
+    grid_run._Scheduler(result, cells, GpuSlots(["3", "5"]), tmp_path / "r.sqlite", None,
+                        lambda _m: None, 0.0).run()
+    assert result.outcomes == {1: "ok", 2: "ok", 3: "ok"}
+    assert log == [(0, "3"), (1, "3,5"), (2, "3")]  # in order; the wide cell waited for both
+
+
+def test_world_size_cells_need_that_many_gpus(tmp_path):
+    from memstudy.grid import gpus_needed
+    from memstudy.grid.spec import Cell
+    from memstudy.grid.run import too_few_gpus
+    from conftest import small_config
+
+    cfg = small_config(techniques=["dp"], batch_size=2, warmup_steps=2)
+    cfg.world_size = 2
+    assert gpus_needed(cfg) == 0  # gloo processes on the CPU hold no GPU
+    dp_base = {"train": {**BASE["train"], "warmup_steps": 2},  # dp asks for 2
+               "data": {"train_images": 2, "val_images": 1}}  # one global batch
+    spec = spec_from_dict({"techniques": ["original", "dp"], "world_sizes": [1, 2],
+                           "batch_sizes": [2], "image_sizes": [192], "steps": 1, "base": dp_base})
+    cells = expand(spec)
+    assert [(c.name, c.config.world_size, c.error is None) for c in cells] == [
+        ("original", 1, True), ("dp", 1, False), ("original", 2, False), ("dp", 2, True)]
+    assert "world_size >= 2" in cells[1].error and "no distributed technique" in cells[2].error
+    wide = Cell(index=1, config=cfg, gpus=2)
+    msg = too_few_gpus(wide, ["0"], from_flag=True)
+    assert "needs 2 GPUs" in msg and "world_size 2" in msg and "--gpus lists 1" in msg
+    with pytest.raises(ConfigError, match="world_sizes"):
+        spec_from_dict({"world_sizes": [0]})
+
+
+def test_cpu_grid_runs_a_dp_cell_on_two_processes(tmp_path):
+    # dp refuses fewer than 2 warm-up steps (DDP rebuilds its buckets in step 2): 3 steps of
+    # one global batch (one image per rank), the third measured
+    base = {"world_size": 2,
+            "train": {"device": "cpu", "validate": False, "warmup_steps": 2, "measure_steps": 1,
+                      "epochs": 3},
+            "data": {"train_images": 2, "val_images": 1}}
+    spec = spec_from_dict({"techniques": ["dp"], "image_sizes": [192], "batch_sizes": [2],
+                           "steps": 3, "base": base})
+    db = tmp_path / "r.sqlite"
+    result = run_grid(spec, db)
+    logs = [p.read_text() for p in (tmp_path / "r.cells").glob("*.log")]
+    assert result.outcomes == {1: "ok"}, logs
+    (run,) = ResultsDB(db).runs()
+    assert run["world_size"] == 2
+    ranks = {rank for rank, _phase in ResultsDB(db).metrics(run["id"])}
+    assert ranks == {0, 1, -1, -2}  # each rank's rows, their mean and their maximum

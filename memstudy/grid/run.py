@@ -1,4 +1,4 @@
-"""Running a grid: every valid, unrecorded cell in its own process, one per GPU at a time."""
+"""Running a grid: every valid, unrecorded cell in its own process, on its own GPUs."""
 from __future__ import annotations
 
 import os
@@ -34,13 +34,18 @@ def visible_gpus() -> list[str]:
 
 def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
              progress: Callable[[str], None] | None = None, poll_s: float = 0.2) -> GridResult:
-    """Run every valid, unrecorded cell; one per GPU at a time (one at a time on the CPU)."""
+    """Run every valid, unrecorded cell; each GPU cell on its own disjoint set of GPUs (as many
+    as it needs: `gpus_needed`), CPU cells one at a time."""
     progress = progress or (lambda _msg: None)
     cells = expand(spec)
     result = GridResult(cells)
     recorded = ResultsDB(db_path).recorded_hashes()
+    uses_gpu = any(c.gpus for c in cells if not c.error)
+    pool = (gpus if gpus else visible_gpus() if uses_gpu else [])
     todo = []
     for cell in cells:
+        if not cell.error and cell.gpus > len(pool):
+            cell.error = too_few_gpus(cell, pool, from_flag=bool(gpus))
         if cell.error:
             result.outcomes[cell.index] = f"invalid: {cell.error}"
             progress(f"[{cell.index}/{len(cells)}] invalid, not run: {cell.describe()}: {cell.error}")
@@ -48,42 +53,93 @@ def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
             result.outcomes[cell.index] = "recorded earlier (skipped)"
         else:
             todo.append(cell)
-    uses_gpu = any(c.config.train.device != "cpu" for c in todo)
-    slots: list[str | None] = (gpus if gpus else visible_gpus() if uses_gpu else []) or [None]
-    _Scheduler(result, todo, slots, db_path, spec.timeout_s, progress, poll_s).run()
+    _Scheduler(result, todo, GpuSlots(pool), db_path, spec.timeout_s, progress, poll_s).run()
     return result
 
 
+def too_few_gpus(cell: Cell, pool: list[str], from_flag: bool) -> str:
+    ws = cell.config.world_size
+    why = f"world_size {ws} runs one process per GPU" if ws > 1 else "mp:mode=local uses two GPUs"
+    where = "--gpus lists" if from_flag else "the runner sees"
+    return (f"needs {cell.gpus} GPUs at once ({why}) but {where} {len(pool)}; lower world_size "
+            f"or give the grid more GPUs (--gpus, CUDA_VISIBLE_DEVICES)")
+
+
+class GpuSlots:
+    """Disjoint GPU sets for running cells. A cell needing n GPUs takes n free ids (its
+    CUDA_VISIBLE_DEVICES) or waits; a CPU cell (n = 0) takes the single CPU slot, so CPU
+    timings never compete with another CPU cell."""
+
+    def __init__(self, gpus: list[str]):
+        self.gpus = list(gpus)
+        self.free = list(gpus)
+        self.cpu_free = True
+
+    def take(self, n: int) -> list[str] | None:
+        """n free GPU ids (in their listed order), [] for the CPU slot, None if it must wait."""
+        if n == 0:
+            if not self.cpu_free:
+                return None
+            self.cpu_free = False
+            return []
+        if n > len(self.free):
+            return None
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+    def give(self, ids: list[str]) -> None:
+        if not ids:
+            self.cpu_free = True
+            return
+        if set(ids) & set(self.free):
+            raise RuntimeError(f"GPUs {ids} given back twice")
+        self.free = [g for g in self.gpus if g in self.free or g in ids]
+
+    @property
+    def width(self) -> int:
+        """Cells that can run at once (for the time-left estimate)."""
+        return max(1, len(self.gpus))
+
+
 class _Scheduler:
-    def __init__(self, result, todo, slots, db_path, timeout_s, progress, poll_s):
+    def __init__(self, result, todo, slots: GpuSlots, db_path, timeout_s, progress, poll_s):
         self.result, self.todo, self.slots = result, list(todo), slots
         self.db_path, self.timeout_s, self.progress, self.poll_s = db_path, timeout_s, progress, poll_s
-        self.running: dict[str | None, tuple[Cell, CellProcess]] = {}
+        self.running: list[tuple[Cell, CellProcess, list[str]]] = []
         self.durations: list[float] = []
         self.t0, self.total = time.time(), len(result.cells)
 
     def run(self) -> None:
         try:
             while self.todo or self.running:
-                for slot in [s for s in self.slots if s not in self.running]:
-                    if self.todo:
-                        self._start(slot, self.todo.pop(0))
+                self._start_ready()
                 self._reap()
                 time.sleep(self.poll_s)
         except BaseException:  # Ctrl-C, SIGTERM: kill the cells; they leave no record
-            for cell, child in self.running.values():
+            for cell, child, _ids in self.running:
                 child.kill()
                 self.result.outcomes[cell.index] = f"{KILLED} (runner interrupted)"
             raise
 
-    def _start(self, slot: str | None, cell: Cell) -> None:
-        self.running[slot] = (cell, CellProcess(cell.config, self.db_path, slot))
-        where = f" on GPU {slot}" if slot is not None else ""
+    def _start_ready(self) -> None:
+        """Start cells in spec order while the next one's GPUs are free. A cell that must wait
+        holds back those behind it, so a 2-GPU cell is not starved by 1-GPU cells."""
+        while self.todo:
+            ids = self.slots.take(self.todo[0].gpus)
+            if ids is None:
+                return
+            self._start(self.todo.pop(0), ids)
+
+    def _start(self, cell: Cell, ids: list[str]) -> None:
+        gpu = ",".join(ids) or None  # None: a CPU cell inherits the runner's environment
+        self.running.append((cell, CellProcess(cell.config, self.db_path, gpu), ids))
+        where = f" on GPU{'s' if len(ids) > 1 else ''} {gpu}" if ids else ""
         self.progress(f"[{cell.index}/{self.total}] {cell.describe()}{where} | "
                       f"elapsed {_hms(time.time() - self.t0)} | left {self._eta()}")
 
     def _reap(self) -> None:
-        for slot, (cell, child) in list(self.running.items()):
+        for entry in list(self.running):
+            cell, child, ids = entry
             running = child.poll() is None
             late = running and self.timeout_s is not None and time.time() - child.started > self.timeout_s
             if running and not late:
@@ -91,7 +147,8 @@ class _Scheduler:
             if late:
                 child.kill()
             outcome = child.finish(timed_out=late)
-            del self.running[slot]
+            self.running.remove(entry)
+            self.slots.give(ids)
             self.durations.append(time.time() - child.started)
             self.result.outcomes[cell.index] = outcome
             self.progress(f"[{cell.index}/{self.total}] {cell.name} {cell.config.train.image_size}px: "
@@ -102,7 +159,7 @@ class _Scheduler:
             return "?"
         left = len(self.todo) + len(self.running)
         mean = sum(self.durations) / len(self.durations)
-        return "~" + _hms(mean * left / len(self.slots))
+        return "~" + _hms(mean * left / self.slots.width)
 
 
 def _hms(seconds: float) -> str:

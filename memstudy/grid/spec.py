@@ -11,8 +11,8 @@ from memstudy.config import RunConfig, from_dict, read_toml, split_techniques
 from memstudy.errors import ConfigError
 from memstudy.runner import resolved, run_name
 
-SPEC_KEYS = {"name", "techniques", "product", "image_sizes", "batch_sizes", "seeds", "epochs",
-             "steps", "data", "budget", "timeout_s", "base"}
+SPEC_KEYS = {"name", "techniques", "product", "image_sizes", "batch_sizes", "seeds", "world_sizes",
+             "epochs", "steps", "data", "budget", "timeout_s", "base"}
 KILLED = "killed"  # outcomes that leave no record: a rerun runs the cell again
 CRASHED = "crashed"
 
@@ -23,6 +23,7 @@ class GridSpec:
     image_sizes: list[int] = field(default_factory=lambda: [256])
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     seeds: list[int] = field(default_factory=lambda: [0])
+    world_sizes: list[int | None] = field(default_factory=lambda: [None])  # None: [base]'s
     epochs: int | None = None
     steps: int | None = None
     data: str | None = None  # 'synthetic' or a folder of radiographs
@@ -37,6 +38,7 @@ class Cell:
     config: RunConfig
     hash: str | None = None
     error: str | None = None  # why the cell is invalid; invalid cells never run
+    gpus: int = 0  # GPUs the cell holds while it runs (gpus_needed); 0 on the CPU
 
     @property
     def name(self) -> str:
@@ -44,7 +46,9 @@ class Cell:
 
     def describe(self) -> str:
         t = self.config.train
-        return f"{self.name} {t.image_size}px batch {t.batch_size} seed {t.seed}"
+        ws = self.config.world_size
+        return (f"{self.name} {t.image_size}px batch {t.batch_size} seed {t.seed}"
+                + (f" world_size {ws}" if ws > 1 else ""))
 
 
 def load_spec(path: str | Path) -> GridSpec:
@@ -64,11 +68,13 @@ def spec_from_dict(raw: dict[str, Any], default_name: str = "grid") -> GridSpec:
                     epochs=raw.get("epochs"), steps=raw.get("steps"), data=raw.get("data"),
                     budget=raw.get("budget"), timeout_s=raw.get("timeout_s"),
                     base=raw.get("base", {}))
-    for key in ("image_sizes", "batch_sizes", "seeds"):
+    for key in ("image_sizes", "batch_sizes", "seeds", "world_sizes"):
         if key in raw:
             setattr(spec, key, _list(raw, key, int))
             if not getattr(spec, key):
                 raise ConfigError(f"grid {key} is empty; list at least one value")
+    if any(ws < 1 for ws in spec.world_sizes if ws is not None):
+        raise ConfigError(f"grid world_sizes must be >= 1 (got {spec.world_sizes})")
     if spec.epochs is not None and spec.steps is not None:
         raise ConfigError("grid sets both epochs and steps; keep one (steps caps all epochs)")
     if spec.timeout_s is not None and not (isinstance(spec.timeout_s, (int, float)) and spec.timeout_s > 0):
@@ -104,12 +110,16 @@ def expand(spec: GridSpec) -> list[Cell]:
 
     cells: list[Cell] = []
     seen: set[str] = set()
-    combos = itertools.product(spec.technique_sets, spec.image_sizes, spec.batch_sizes, spec.seeds)
-    for techniques, size, batch, seed in combos:
-        cfg = cell_config(spec, techniques, size, batch, seed)
+    combos = itertools.product(spec.world_sizes, spec.technique_sets, spec.image_sizes,
+                               spec.batch_sizes, spec.seeds)
+    for world, techniques, size, batch, seed in combos:
+        cfg = cell_config(spec, techniques, size, batch, seed, world)
         cell = Cell(index=len(cells) + 1, config=cfg)
         try:
-            make_plan(cfg)
+            if cfg.world_size > 1:  # the launcher's own check: a distributed technique uses them
+                from memstudy.distributed.launch import group_backend
+                group_backend(cfg)
+            cell.gpus = plan_gpus(make_plan(copy.deepcopy(cfg)))
             cell.hash = config_hash(cfg)
         except (ConfigError, ValueError) as exc:
             cell.error = str(exc)
@@ -121,9 +131,28 @@ def expand(spec: GridSpec) -> list[Cell]:
     return cells
 
 
-def cell_config(spec: GridSpec, techniques: list[str], size: int, batch: int, seed: int) -> RunConfig:
+def plan_gpus(plan) -> int:
+    """GPUs a run of this plan holds: one per process (world_size), two for mp:mode=local
+    (one process on two GPUs), none on the CPU (gloo processes share the cores)."""
+    if plan.device.type != "cuda":
+        return 0
+    mp = plan.chosen.get("mp")
+    return 2 if mp is not None and mp.mode == "local" else plan.config.world_size
+
+
+def gpus_needed(config: RunConfig) -> int:
+    """The GPUs a cell of `config` needs at once; raises ConfigError if it is invalid."""
+    from memstudy.techniques.compose import make_plan
+
+    return plan_gpus(make_plan(copy.deepcopy(config)))
+
+
+def cell_config(spec: GridSpec, techniques: list[str], size: int, batch: int, seed: int,
+                world_size: int | None = None) -> RunConfig:
     cfg = from_dict(copy.deepcopy(spec.base))
     cfg.techniques = list(techniques)
+    if world_size is not None:  # a world_sizes entry; None keeps [base] world_size
+        cfg.world_size = world_size
     cfg.train.image_size, cfg.train.batch_size = size, batch
     cfg.train.seed = cfg.data.seed = seed  # as `memstudy run --seed` does
     if spec.epochs is not None:
@@ -148,8 +177,10 @@ def cell_table(cells: list[Cell], outcomes: dict[int, str]) -> str:
     from memstudy.tables import format_table
 
     rows = [[c.index, c.name, c.config.train.image_size, c.config.train.batch_size,
-             c.config.train.seed, c.hash or "-", outcomes.get(c.index, "-")] for c in cells]
-    return format_table(["cell", "techniques", "px", "batch", "seed", "hash", "outcome"], rows)
+             c.config.train.seed, c.config.world_size, c.gpus, c.hash or "-",
+             outcomes.get(c.index, "-")] for c in cells]
+    return format_table(["cell", "techniques", "px", "batch", "seed", "world", "gpus", "hash",
+                         "outcome"], rows)
 
 
 def plan_outcomes(cells: list[Cell], recorded: set[str]) -> dict[int, str]:
