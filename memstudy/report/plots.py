@@ -28,21 +28,29 @@ def png(fig) -> bytes:
 
 def ratio_chart(rows: Rows):
     """Fig. 2: bars of each technique set's memory / original's, per phase, one panel per size."""
+    from matplotlib import colormaps
+
     sizes = sorted({r["image_size"] for r in rows})
-    fig = _figure(4.5 * max(len(sizes), 1), 3.6)
+    labels = sorted({f"{r['name']} ({r['device']})" for r in rows})
+    colors = colormaps["tab20"].resampled(max(len(labels), 1))  # one distinct colour per set
+    color = {label: colors(i) for i, label in enumerate(labels)}
+    fig = _figure(4.5 * max(len(sizes), 1), 3.6 + 0.18 * len(labels))
     axes = fig.subplots(1, max(len(sizes), 1), squeeze=False)[0]
     for ax, size in zip(axes, sizes or [None]):
         here = [r for r in rows if r["image_size"] == size]
         width = 0.8 / max(len(here), 1)
         for i, r in enumerate(here):
+            label = f"{r['name']} ({r['device']})"
             xs = [p + (i - (len(here) - 1) / 2) * width for p in range(len(TRAIN_PHASES))]
-            ax.bar(xs, [r[p] or 0 for p in TRAIN_PHASES], width, label=f"{r['name']} ({r['device']})")
+            ax.bar(xs, [r[p] or 0 for p in TRAIN_PHASES], width, label=label, color=color[label])
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(TRAIN_PHASES)), [p.capitalize() for p in TRAIN_PHASES])
         ax.set_ylabel("memory / original")
         ax.set_title(f"{size} px" if size else "no runs with an original baseline")
-        if here:
-            ax.legend(fontsize=7)
+    if labels:  # one legend for all panels, under them, so it hides no bar
+        handles = {h.get_label(): h for ax in axes for h in ax.containers}
+        fig.legend([handles[k] for k in labels if k in handles], [k for k in labels if k in handles],
+                   loc="outside lower center", ncols=min(3, len(labels)), fontsize=7)
     return fig
 
 
