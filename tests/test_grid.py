@@ -262,3 +262,21 @@ def test_cpu_grid_runs_a_dp_cell_on_two_processes(tmp_path):
     assert run["world_size"] == 2
     ranks = {rank for rank, _phase in ResultsDB(db).metrics(run["id"])}
     assert ranks == {0, 1, -1, -2}  # each rank's rows, their mean and their maximum
+
+
+@pytest.mark.multigpu
+def test_gpu_grid_gives_a_dp_cell_two_gpus(tmp_path):
+    """A world_size-2 dp cell after a 1-GPU cell on 2 GPUs: both ok, the dp run has 2 ranks."""
+    base = {"train": {"device": "cuda", "validate": False, "warmup_steps": 2, "measure_steps": 1},
+            "data": {"train_images": 2, "val_images": 1}}
+    spec = spec_from_dict({"techniques": ["original", "dp"], "world_sizes": [1, 2],
+                           "image_sizes": [256], "batch_sizes": [2], "steps": 3, "base": base})
+    result = run_grid(spec, tmp_path / "r.sqlite", gpus=["0", "1"])
+    outcomes = [result.outcomes[i] for i in sorted(result.outcomes)]
+    # cells: original@1, dp@1 (refused), original@2 (refused), dp@2
+    assert outcomes[0] == outcomes[3] == "ok", outcomes
+    assert outcomes[1].startswith("invalid") and outcomes[2].startswith("invalid")
+    runs = {r["world_size"]: r for r in ResultsDB(tmp_path / "r.sqlite").runs()}
+    assert set(runs) == {1, 2}
+    ranks = {rank for rank, _ in ResultsDB(tmp_path / "r.sqlite").metrics(runs[2]["id"])}
+    assert ranks == {0, 1, -1, -2}
