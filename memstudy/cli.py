@@ -94,7 +94,8 @@ def summarize(rec) -> str:
         if "meter_overhead" in run:
             extra = f" (metered {run['metered_step_time_s']:.3f} s, meter overhead {run['meter_overhead']:+.1%})"
         lines.append(f"time per step {run['step_time_s']:.3f} s{extra} | "
-                     f"{run['throughput_px_s'] / 1e6:.2f} Mpx/s")
+                     f"{run['throughput_px_s'] / 1e6:.2f} Mpx/s | "
+                     f"{run.get('model_tflops_s', float('nan')):.2f} model TFLOP/s")
     if "nvml_peak_total_bytes" in run:
         lines.append(f"peak allocated {mb(run['alloc_peak_total_bytes']):.1f} MB | NVML device used "
                      f"peak {mb(run['nvml_peak_total_bytes']):.1f} MB (CUDA context included)")
@@ -123,18 +124,20 @@ def cmd_grid(args: argparse.Namespace) -> int:
     import signal
 
     from memstudy.grid import cell_table, expand, load_spec, plan_outcomes, run_grid
+    from memstudy.grid.run import check_gpu_needs
 
     spec = load_spec(args.spec)
     if args.budget is not None:
         spec.budget = args.budget
     if args.timeout is not None:
         spec.timeout_s = args.timeout
+    gpus = [g.strip() for g in args.gpus.split(",")] if args.gpus else None
     if args.dry_run:
         cells = expand(spec)
+        check_gpu_needs(cells, gpus)
         print(cell_table(cells, plan_outcomes(cells, ResultsDB(args.db).recorded_hashes())))
         return 0
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cells as Ctrl-C does
-    gpus = [g.strip() for g in args.gpus.split(",")] if args.gpus else None
     try:
         result = run_grid(spec, args.db, gpus, progress=None if args.quiet else eprint)
     except KeyboardInterrupt:

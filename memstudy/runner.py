@@ -24,6 +24,7 @@ from memstudy.distributed.context import rank_device
 from memstudy.distributed.records import gather_record
 from memstudy.errors import Diverged, PhaseFailure
 from memstudy.meters import PhaseRecorder
+from memstudy.meters.flops import model_flops_per_step
 from memstudy.store import ResultsDB, RunRecord
 from memstudy.techniques import canonical
 from memstudy.techniques.compose import build_pipeline, make_plan
@@ -112,6 +113,9 @@ def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
     if "step_time_s" in run:
         pixels = config.train.batch_size * config.train.image_size ** 2
         run["throughput_px_s"] = pixels / run["step_time_s"]
+        flops = model_flops_per_step(config.train.batch_size, config.train.image_size)
+        run["model_flops_per_step"] = flops
+        run["model_tflops_s"] = flops / run["step_time_s"] / 1e12
     record.metrics = [(0, phase, k, v) for phase, figs in summary.items() for k, v in figs.items()]
 
 

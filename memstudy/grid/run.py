@@ -40,12 +40,9 @@ def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
     cells = expand(spec)
     result = GridResult(cells)
     recorded = ResultsDB(db_path).recorded_hashes()
-    uses_gpu = any(c.gpus for c in cells if not c.error)
-    pool = (gpus if gpus else visible_gpus() if uses_gpu else [])
+    pool = check_gpu_needs(cells, gpus)
     todo = []
     for cell in cells:
-        if not cell.error and cell.gpus > len(pool):
-            cell.error = too_few_gpus(cell, pool, from_flag=bool(gpus))
         if cell.error:
             result.outcomes[cell.index] = f"invalid: {cell.error}"
             progress(f"[{cell.index}/{len(cells)}] invalid, not run: {cell.describe()}: {cell.error}")
@@ -55,6 +52,17 @@ def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
             todo.append(cell)
     _Scheduler(result, todo, GpuSlots(pool), db_path, spec.timeout_s, progress, poll_s).run()
     return result
+
+
+def check_gpu_needs(cells: list[Cell], gpus: list[str] | None) -> list[str]:
+    """The GPU pool (--gpus, else the visible GPUs when a cell needs one); cells needing more
+    GPUs than the pool holds are marked invalid, before anything runs."""
+    uses_gpu = any(c.gpus for c in cells if not c.error)
+    pool = gpus if gpus else visible_gpus() if uses_gpu else []
+    for cell in cells:
+        if not cell.error and cell.gpus > len(pool):
+            cell.error = too_few_gpus(cell, pool, from_flag=bool(gpus))
+    return pool
 
 
 def too_few_gpus(cell: Cell, pool: list[str], from_flag: bool) -> str:
