@@ -1,6 +1,7 @@
 """Small measuring helpers shared by the technique tests."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -19,3 +20,40 @@ def saved_bytes(fn: Callable[..., Any], *args: Any) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args)
     return sum(sizes.values())
+
+
+@dataclass
+class Step:
+    loss: float
+    grads: dict[str, torch.Tensor]  # after backward, before the optimizer step
+    buffers: dict[str, torch.Tensor]  # at the end (BatchNorm statistics)
+    forward: dict[str, float]  # the PhaseRecorder's forward figures
+    notes: dict
+    build: Any
+
+
+def measured_step(techniques: list[str], optimizer_step: bool) -> Step:
+    """One measured forward + backward (and optimizer step) of the composed pipeline at 192 px,
+    on a fixed random batch, with the tensor meter on."""
+    from conftest import small_config
+    from memstudy.config import MeterConfig
+    from memstudy.meters import PhaseRecorder
+    from memstudy.techniques.compose import build_pipeline, make_plan
+
+    build = build_pipeline(make_plan(small_config(techniques=techniques)))
+    model, rt = build.model, build.runtime
+    optimizer = rt.optimizer_factory(model) if optimizer_step else None
+    recorder = PhaseRecorder(build.device, model, rt, lambda: optimizer, MeterConfig(tensor="on"))
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.rand(1, 1, 192, 192, generator=gen), torch.rand(1, 1, 192, 192, generator=gen)
+    with recorder.step(measured=True):
+        with recorder.phase("forward"):
+            loss = rt.forward(model, x, y)
+        with recorder.phase("backward"):
+            rt.backward(loss)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        if optimizer is not None:
+            with recorder.phase("step"):
+                rt.step(optimizer)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return Step(loss.item(), grads, buffers, recorder.summary()["forward"], build.notes, build)

@@ -5,13 +5,12 @@ import pytest
 import torch
 from torch import nn
 
-from memstudy.config import MeterConfig
 from memstudy.errors import ConfigError
-from memstudy.meters import PhaseRecorder
 from memstudy.runner import execute
 from memstudy.techniques.amp import set_tf32
 from memstudy.techniques.compose import build_pipeline, make_plan
 from conftest import small_config
+from helpers import measured_step
 
 # bf16 against float32 gradients after one forward/backward of the freshly initialised model
 # (192 px, batch 1; docs/techniques/amp.md explains the figures). Training-mode BatchNorm makes
@@ -24,21 +23,12 @@ BF16_MIN_COSINE = 0.3
 
 
 def one_forward_backward(techniques: list[str]) -> dict:
-    build = build_pipeline(make_plan(small_config(techniques=techniques)))
-    model, rt = build.model, build.runtime
-    recorder = PhaseRecorder(build.device, model, rt, lambda: None, MeterConfig(tensor="on"))
-    gen = torch.Generator().manual_seed(7)
-    x, y = torch.rand(1, 1, 192, 192, generator=gen), torch.rand(1, 1, 192, 192, generator=gen)
-    with recorder.step(measured=True):
-        with recorder.phase("forward"):
-            loss = rt.forward(model, x, y)
-        with recorder.phase("backward"):
-            rt.backward(loss)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    step = measured_step(techniques, optimizer_step=False)
+    model = step.build.model
     conv_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Conv2d))
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    return {"loss": loss.item(), "grads": grads, "buffers": buffers, "conv_weights": conv_weights,
-            "forward": recorder.summary()["forward"], "notes": build.notes, "runtime": rt}
+    return {"loss": step.loss, "grads": step.grads, "buffers": step.buffers,
+            "conv_weights": conv_weights, "forward": step.forward, "notes": step.notes,
+            "runtime": step.build.runtime}
 
 
 @pytest.fixture(scope="module")

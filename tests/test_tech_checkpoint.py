@@ -1,50 +1,24 @@
 """Activation checkpointing: less saved memory, identical gradients and BatchNorm statistics."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from memstudy.config import MeterConfig
 from memstudy.errors import ConfigError
-from memstudy.meters import PhaseRecorder
 from memstudy.models import build_unet
 from memstudy.runner import execute
 from memstudy.techniques.checkpoint import (RESNET34_UNET_UNITS, chain_units, sqrt_regions)
 from memstudy.techniques.compose import build_pipeline, make_plan
 from conftest import small_config
+from helpers import Step, measured_step
 
 PLACEMENTS = ("block", "sqrt", "selective")
 
 
-@dataclass
-class Step:
-    loss: float
-    grads: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
-    forward: dict[str, float]  # the PhaseRecorder's forward figures
-    notes: dict
-
-
 def one_step(techniques: list[str]) -> Step:
     """One measured training step (forward, backward, optimizer step) of the composed pipeline."""
-    build = build_pipeline(make_plan(small_config(techniques=techniques)))
-    model, rt = build.model, build.runtime
-    optimizer = rt.optimizer_factory(model)
-    recorder = PhaseRecorder(build.device, model, rt, lambda: optimizer, MeterConfig(tensor="on"))
-    gen = torch.Generator().manual_seed(7)
-    x, y = torch.rand(1, 1, 192, 192, generator=gen), torch.rand(1, 1, 192, 192, generator=gen)
-    with recorder.step(measured=True):
-        with recorder.phase("forward"):
-            loss = rt.forward(model, x, y)
-        with recorder.phase("backward"):
-            rt.backward(loss)
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        with recorder.phase("step"):
-            rt.step(optimizer)
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    return Step(loss.item(), grads, buffers, recorder.summary()["forward"], build.notes)
+    return measured_step(techniques, optimizer_step=True)
 
 
 @pytest.fixture(scope="module")
