@@ -32,8 +32,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     seed: int = 0
     device: str = "auto"  # auto: cuda if available, else cpu; "cuda:1" picks a GPU
-    warmup_steps: int = 3  # never measured: allocator and kernel warm-up (the CPU's first steps are
-    # many times slower), cuDNN algorithm choice, lazily created optimizer state
+    warmup_steps: int = 3  # never measured: allocator and kernel warm-up (first CPU steps were seen
+    # taking many times longer than later ones), cuDNN algorithm choice, lazy optimizer state
     measure_steps: int = 3  # steps after warm-up measured phase by phase
     msssim_scales: int = 5  # MS-SSIM scales; decides the smallest trainable image
     validate: bool = True
