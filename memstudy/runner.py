@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from memstudy import env as envinfo
-from memstudy.budget import apply_budget
+from memstudy.budget import apply_budget, budget_bytes
 from memstudy.config import RunConfig
 from memstudy.datasets import build_datasets
 from memstudy.distributed.context import rank_device
@@ -29,7 +29,6 @@ from memstudy.store import ResultsDB, RunRecord
 from memstudy.techniques import canonical
 from memstudy.techniques.compose import build_pipeline, make_plan
 from memstudy.train import TrainState, train
-from memstudy.units import parse_bytes
 
 
 def run_name(config: RunConfig) -> str:
@@ -67,7 +66,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
     try:
         build = build_pipeline(plan)
         record.env["parameters"] = sum(p.numel() for p in build.model.parameters())
-        cpu_limit = _cpu_budget(config) if device.type == "cpu" else None
+        cpu_limit = budget_bytes(config.budget) if device.type == "cpu" else None
         recorder = PhaseRecorder(device, build.model, build.runtime, lambda: state.optimizer,
                                  config.meter, cpu_limit_bytes=cpu_limit)
         build.runtime.memory_meter = recorder.budget_meter
@@ -93,10 +92,6 @@ def execute(config: RunConfig, db: ResultsDB | None,
         db.record(record)
     _release(device)
     return record
-
-
-def _cpu_budget(config: RunConfig) -> int | None:
-    return parse_bytes(config.budget, "budget") if config.budget else None
 
 
 def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,

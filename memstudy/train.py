@@ -139,7 +139,7 @@ def _retry_after_oom(failure: PhaseFailure, rt, optimizer, state: TrainState) ->
     state.oom_retries += 1
     # one row per step: a second retry of the same step replaces the first (primary key)
     state.series[:] = [r for r in state.series if r[1:3] != (state.step, "oom_retry")]
-    state.series.append((0, state.step, "oom_retry", rt.batch_size))
+    state.series.append((rt.rank, state.step, "oom_retry", rt.batch_size))
     return True
 
 

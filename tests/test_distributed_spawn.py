@@ -3,7 +3,6 @@ against the unsplit, single-process model. One spawn runs every scenario (proces
 dominates on CI); each rank writes its findings, the tests below assert on them."""
 from __future__ import annotations
 
-import copy
 import datetime
 import os
 import pickle
@@ -183,7 +182,7 @@ def _worker(r, port, out_dir):
     for scenario in SCENARIOS:
         try:
             results[scenario.__name__] = scenario(r)
-        except Exception as exc:  # reported by the test that reads it
+        except Exception:  # reported by the test that reads it
             import traceback
             results[scenario.__name__] = {"exception": traceback.format_exc()}
             print(f"rank {r} {scenario.__name__}: {results[scenario.__name__]}", flush=True)

@@ -2,7 +2,6 @@
 out-of-memory error from its own growth under a capped budget (CPU tensor meter)."""
 from __future__ import annotations
 
-import pytest
 
 from memstudy.runner import execute
 from memstudy.store import ResultsDB
