@@ -3,10 +3,11 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [distributed]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
-# Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
+# TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / TRIACCEL_ARGS
+# replace a benchmark's arguments. Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -36,13 +37,14 @@ for item in $STEPS; do
     echo "=== $step $(date +%T) (limit ${limit}s)"
     PY="timeout --signal=INT --kill-after=20 $limit python3"
     case "$step" in
-        tests) $PY -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests 2>&1 | tee "$RES/gpu-tests.log" ;;
+        tests) $PY -m pytest -q -m "gpu or multigpu" ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider tests 2>&1 | tee "$RES/gpu-tests.log" ;;
         foundation) $PY benchmarks/bench_foundation.py --db "$DB" --md "$RES/foundation.md" 2>&1 | tee "$RES/foundation.log" ;;
         techniques) $PY benchmarks/bench_techniques.py --skip loss --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
         techniques-loss) $PY benchmarks/bench_techniques.py --skip memory --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques-loss.md" 2>&1 | tee "$RES/techniques-loss.log" ;;
         maxres) $PY benchmarks/bench_maxres.py --out "$RES/maxres" ${MAXRES_ARGS:-} 2>&1 | tee "$RES/maxres.log" ;;
         triaccel) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel" ${TRIACCEL_ARGS:-} 2>&1 | tee "$RES/triaccel.log" ;;
         kernels) $PY benchmarks/bench_kernels.py --out "$RES/kernels" 2>&1 | tee "$RES/kernels.log" ;;
+        bnlag) $PY benchmarks/bench_bn_lag.py --out "$RES/bnlag" ${BNLAG_ARGS:---size 2048 --steps 24 --precisions fp32,fp16} 2>&1 | tee "$RES/bnlag.log" ;;
         distributed) $PY benchmarks/bench_distributed.py --out "$RES/distributed" ${DIST_ARGS:-} 2>&1 | tee "$RES/distributed.log" ;;
         *) echo "unknown step $step" ;;
     esac

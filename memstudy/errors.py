@@ -16,9 +16,9 @@ class ConfigError(MemstudyError, ValueError):
 class Diverged(MemstudyError):
     """The training loss became NaN or infinite."""
 
-    def __init__(self, phase: str, step: int, value: float):
-        super().__init__(f"loss is {value} at step {step} ({phase}); lower train.lr or drop the "
-                         "reduced-precision technique")
+    def __init__(self, phase: str, step: int, value: float, hint: str | None = None):
+        super().__init__(f"loss is {value} at step {step} ({phase}); " + (
+            hint or "lower train.lr or drop the reduced-precision technique"))
         self.phase, self.step, self.value = phase, step, value
 
 

@@ -6,6 +6,7 @@ phase; the rest are only timed (their time is the unmetered step time).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -145,23 +146,49 @@ def _retry_after_oom(failure: PhaseFailure, rt, optimizer, state: TrainState) ->
 
 @torch.no_grad()
 def validate(build: Build, val_set, recorder: PhaseRecorder, step: int = 0) -> dict[str, float]:
-    model, rt, cfg = build.model, build.runtime, build.config.train
-    model.eval()
-    sums: dict[str, float] = {}
-    in_device = rt.input_device or build.device
     first = "validation" not in recorder.measured
     with recorder.step(measured=first, timed=False), recorder.phase("validation"):
+        result = _evaluate(build, val_set)
+    if not math.isfinite(result["val_loss"]):
+        raise Diverged("validation", step, result["val_loss"], _float32_hint(build, val_set))
+    return result
+
+
+def _evaluate(build: Build, val_set, autocast: bool = True) -> dict[str, float]:
+    model, rt, cfg = build.model, build.runtime, build.config.train
+    in_device = rt.input_device or build.device
+    sums: dict[str, float] = {}
+    model.eval()
+    try:
         for i in range(0, len(val_set), cfg.batch_size):
             x, y = make_batch(val_set, list(range(i, min(i + cfg.batch_size, len(val_set)))), in_device)
-            with rt.forward_context():
+            # enabled=True would *set* autocast (default dtype), so only ever pass False
+            off = contextlib.nullcontext() if autocast else torch.autocast(in_device.type, enabled=False)
+            with rt.forward_context(), off:
                 out = model(x)
             for k, v in quality(out, y.to(out.device), cfg.msssim_scales).items():
                 sums[k] = sums.get(k, 0.0) + v * len(x)
-    model.train()
-    result = {f"val_{k}": v / len(val_set) for k, v in sums.items()}
-    if not math.isfinite(result["val_loss"]):  # e.g. fp16 overflow left inf in BN statistics
-        raise Diverged("validation", step, result["val_loss"])
-    return result
+    finally:
+        model.train()
+    return {f"val_{k}": v / len(val_set) for k, v in sums.items()}
+
+
+def _float32_hint(build: Build, val_set) -> str | None:
+    """Tell weights that diverged from a float16 eval forward that overflowed.
+
+    Early in training, BatchNorm's running statistics lag the batch statistics (momentum 0.1,
+    and the encoder starts from ImageNet's), so eval-mode activations can be 10-100x their
+    training-mode size; in float16 (max 65504) that overflows at large images although the
+    weights are finite and train. Re-evaluating the same weights in float32 tells the two apart.
+    """
+    if build.notes.get("autocast_dtype") != str(torch.float16):
+        return None
+    loss = _evaluate(build, val_set, autocast=False)["val_loss"]
+    if not math.isfinite(loss):
+        return None
+    return (f"the same weights validate to {loss:.4f} in float32, so the float16 eval forward "
+            "overflowed (BatchNorm running statistics not yet settled: train more steps before "
+            "validating, or use amp:bf16)")
 
 
 def _epoch_line(r: dict, epochs: int) -> str:

@@ -149,3 +149,47 @@ def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
     assert code == 2 and "train.image_size" in err and "Traceback" not in err
     code = main(["--db", str(tmp_path / "x.sqlite"), "run", "--set", "train.nope=1"])
     assert code == 2 and "no such setting" in capsys.readouterr().err
+
+
+class _Float16Overflow(torch.nn.Module):
+    """Finite in float32; in float16 its 1e5-scaled branch overflows to inf and inf - inf = NaN,
+    as an eval-mode forward with unsettled BatchNorm statistics does at large images."""
+
+    def __init__(self, finite_in_float32: bool = True):
+        super().__init__()
+        self.scale = torch.nn.Conv2d(1, 1, 1, bias=False)
+        torch.nn.init.constant_(self.scale.weight, 1e5 if finite_in_float32 else float("inf"))
+
+    def forward(self, x):
+        h = self.scale(x)
+        return torch.sigmoid(h - h + x)
+
+
+@pytest.mark.parametrize("finite_in_float32", [True, False])
+def test_validation_overflow_in_float16_is_told_apart_from_diverged_weights(make_config,
+                                                                            finite_in_float32):
+    import functools
+
+    from memstudy.datasets import build_datasets
+    from memstudy.errors import Diverged
+    from memstudy.meters import PhaseRecorder
+    from memstudy.techniques.compose import build_pipeline, make_plan
+    from memstudy.train import validate
+
+    cfg = make_config(192, techniques=["amp:bf16"])
+    build = build_pipeline(make_plan(cfg))
+    # what amp:fp16 sets up on a GPU, here on the CPU (whose autocast also runs float16)
+    build.model = _Float16Overflow(finite_in_float32)
+    build.runtime.forward_contexts = [functools.partial(torch.autocast, "cpu", dtype=torch.float16)]
+    build.notes["autocast_dtype"] = str(torch.float16)
+    _, val_set = build_datasets(cfg.data, 192)
+    recorder = PhaseRecorder(build.device, build.model, build.runtime, lambda: None, cfg.meter)
+    with pytest.raises(Diverged) as err:
+        validate(build, val_set, recorder, step=7)
+    recorder.close()
+    assert err.value.phase == "validation" and err.value.step == 7
+    if finite_in_float32:
+        assert "in float32, so the float16 eval forward overflowed" in str(err.value)
+    else:  # NaN in float32 too: the weights themselves are bad
+        assert "lower train.lr" in str(err.value)
+    assert build.model.training  # validation always hands the model back in train mode
