@@ -37,7 +37,7 @@ from memstudy.units import mb
 GRID_PX = 64
 MIN_PX = 192  # the smallest multiple of 64 that 5-scale MS-SSIM accepts
 PROBE_LABEL = "maxres probe"  # memstudy.report leaves probes out of its per-run tables
-PROBE_STEPS = 3  # one warm-up step and two measured ones
+PROBE_MEASURED = 2  # measured steps per probe, after the config's warm-up steps
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS maxres (
@@ -176,11 +176,13 @@ def probe_config(template: RunConfig, techniques: list[str], size: int) -> RunCo
 
 
 def prepare_template(template: RunConfig) -> RunConfig:
-    """Probes train `max_steps` steps (default 3) without validation, on as few images."""
+    """Probes train `max_steps` steps (default: the warm-up steps + 2 measured ones) without
+    validation, on as few images."""
     cfg = copy.deepcopy(template)
-    steps = cfg.train.max_steps = cfg.train.max_steps or PROBE_STEPS
+    steps = cfg.train.max_steps = cfg.train.max_steps or cfg.train.warmup_steps + PROBE_MEASURED
     cfg.train.validate = False
     cfg.data.train_images = min(cfg.data.train_images, steps * cfg.train.batch_size)
+    cfg.train.epochs = max(cfg.train.epochs, steps)  # few images: epochs until max_steps stops it
     cfg.data.val_images = 1
     return cfg
 

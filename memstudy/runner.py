@@ -28,7 +28,7 @@ from memstudy.meters.flops import model_flops_per_step
 from memstudy.store import ResultsDB, RunRecord
 from memstudy.techniques import canonical
 from memstudy.techniques.compose import build_pipeline, make_plan
-from memstudy.train import TrainState, train
+from memstudy.train import TrainState, check_measurable, train
 
 
 def run_name(config: RunConfig) -> str:
@@ -54,6 +54,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
     plan.device = rank_device(plan.device)  # distributed: each rank trains on its own GPU
     resolved(config)
     train_set, val_set = build_datasets(config.data, config.train.image_size)  # raises on bad data
+    check_measurable(config, len(train_set))  # raises ConfigError: nothing recorded
     device = plan.device
     # before anything touches the GPU: the CUDA context is measured as it is created
     budget_facts = apply_budget(config.budget, device)

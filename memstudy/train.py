@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from memstudy.errors import Diverged, PhaseFailure
+from memstudy.errors import ConfigError, Diverged, PhaseFailure
 from memstudy.meters import PhaseRecorder
 from memstudy.quality import quality
 from memstudy.runtime import StepInfo
@@ -89,6 +89,36 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
         if state.step >= total:
             break
     return state
+
+
+def planned_steps(config, train_images: int) -> int:
+    """Optimizer steps the run will take (at its initial batch size; an elastic batch takes fewer)."""
+    cfg = config.train
+    names = {t.split(":")[0] for t in config.techniques}
+    if names & {"dp", "fsdp"}:  # data-parallel ranks drop an incomplete last global batch
+        per_epoch = train_images // cfg.batch_size
+    else:
+        per_epoch = math.ceil(train_images / cfg.batch_size)
+    return min(cfg.epochs * per_epoch, cfg.max_steps or math.inf)
+
+
+def check_measurable(config, train_images: int) -> None:
+    """Refuse a run whose warm-up takes every step: it would record no phase figures.
+
+    Fewer steps than warm-up + measure_steps is allowed: the steps after warm-up are all measured
+    (a large measure_steps means "measure every step")."""
+    cfg = config.train
+    steps = planned_steps(config, train_images)
+    if steps <= cfg.warmup_steps:
+        raise ConfigError(
+            f"this run takes {steps} optimizer step(s) ({cfg.epochs} epoch(s) of {train_images} "
+            f"training images at batch {cfg.batch_size}{_cap(cfg)}) and train.warmup_steps = "
+            f"{cfg.warmup_steps} leaves none to measure: raise train.epochs or "
+            "data.train_images, or lower train.warmup_steps")
+
+
+def _cap(cfg) -> str:
+    return f", train.max_steps = {cfg.max_steps}" if cfg.max_steps else ""
 
 
 def _global_batch(order: torch.Tensor, pos: int, rt) -> torch.Tensor | None:

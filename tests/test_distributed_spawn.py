@@ -159,8 +159,10 @@ def scenario_compositions(r):
         cfg = small_config(SIZE, techniques.split(","), batch_size=BATCH, max_steps=warm + 1,
                            warmup_steps=warm, measure_steps=1, validate=False)
         cfg.world_size = WORLD
+        cfg.data.train_images = BATCH * (warm + 1)  # enough for the warm-up and one measured step
         rec = execute(cfg, None)
-        out[techniques] = (rec.status, rec.error)
+        measured = any(phase in ("forward", "forward_backward") for _, phase, *_ in rec.metrics)
+        out[techniques] = (rec.status, rec.error, measured)
     return out
 
 
@@ -265,4 +267,4 @@ def test_mp_trains_with_a_scheduler_and_records_every_rank(ranks):
 def test_study_combinations_train_on_two_ranks(ranks):
     for found in _get(ranks, "scenario_compositions"):
         for techniques in COMPOSITIONS:
-            assert found[techniques] == ("ok", None), (techniques, found[techniques])
+            assert found[techniques] == ("ok", None, True), (techniques, found[techniques])

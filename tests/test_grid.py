@@ -50,6 +50,16 @@ def test_expansion_reports_invalid_cells_with_their_reason():
         assert c.config.train.max_steps == 1 and c.config.data.train_images == 1
 
 
+def test_expansion_refuses_a_cell_whose_warm_up_takes_every_step():
+    """3 phantoms at batch 4 are one step: after a warm-up step there is nothing to measure."""
+    spec = spec_from_dict({"techniques": ["original"], "image_sizes": [192], "batch_sizes": [1, 4],
+                           "epochs": 1, "base": {"train": {**BASE["train"], "warmup_steps": 1},
+                                                 "data": {"train_images": 3, "val_images": 1}}})
+    cells = expand(spec)
+    assert [c.error is None for c in cells] == [True, False]
+    assert "takes 1 optimizer step(s)" in cells[1].error and "leaves none to measure" in cells[1].error
+
+
 def test_spec_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="unknown grid key"):
         spec_from_dict({"sizes": [256]})
@@ -231,9 +241,9 @@ def test_world_size_cells_need_that_many_gpus(tmp_path):
     cfg.world_size = 2
     assert gpus_needed(cfg) == 0  # gloo processes on the CPU hold no GPU
     dp_base = {"train": {**BASE["train"], "warmup_steps": 2},  # dp asks for 2
-               "data": {"train_images": 2, "val_images": 1}}  # one global batch
+               "data": {"train_images": 6, "val_images": 1}}  # three global batches
     spec = spec_from_dict({"techniques": ["original", "dp"], "world_sizes": [1, 2],
-                           "batch_sizes": [2], "image_sizes": [192], "steps": 1, "base": dp_base})
+                           "batch_sizes": [2], "image_sizes": [192], "steps": 3, "base": dp_base})
     cells = expand(spec)
     assert [(c.name, c.config.world_size, c.error is None) for c in cells] == [
         ("original", 1, True), ("dp", 1, False), ("original", 2, False), ("dp", 2, True)]
@@ -268,7 +278,7 @@ def test_cpu_grid_runs_a_dp_cell_on_two_processes(tmp_path):
 def test_gpu_grid_gives_a_dp_cell_two_gpus(tmp_path):
     """A world_size-2 dp cell after a 1-GPU cell on 2 GPUs: both ok, the dp run has 2 ranks."""
     base = {"train": {"device": "cuda", "validate": False, "warmup_steps": 2, "measure_steps": 1},
-            "data": {"train_images": 2, "val_images": 1}}
+            "data": {"train_images": 6, "val_images": 1}}  # 3 global batches: the third measured
     spec = spec_from_dict({"techniques": ["original", "dp"], "world_sizes": [1, 2],
                            "image_sizes": [256], "batch_sizes": [2], "steps": 3, "base": base})
     result = run_grid(spec, tmp_path / "r.sqlite", gpus=["0", "1"])
@@ -278,5 +288,6 @@ def test_gpu_grid_gives_a_dp_cell_two_gpus(tmp_path):
     assert outcomes[1].startswith("invalid") and outcomes[2].startswith("invalid")
     runs = {r["world_size"]: r for r in ResultsDB(tmp_path / "r.sqlite").runs()}
     assert set(runs) == {1, 2}
-    ranks = {rank for rank, _ in ResultsDB(tmp_path / "r.sqlite").metrics(runs[2]["id"])}
-    assert ranks == {0, 1, -1, -2}
+    keys = ResultsDB(tmp_path / "r.sqlite").metrics(runs[2]["id"])
+    assert {rank for rank, _ in keys} == {0, 1, -1, -2}
+    assert {(0, "forward"), (1, "forward")} <= set(keys)  # each rank measured its step

@@ -61,3 +61,15 @@ def test_prediction_and_search_agree_on_the_cpu(make_config, tmp_path):
     assert (row["found_px"], row["predicted_px"], row["budget"]) == (256, result.predicted_px, "424MiB")
     assert row["peak_mb"] < 424 and row["step_time_s"] > 0
     assert {r["image_size"] for r in memory_vs_resolution(db)} == {192, 256, 320}
+
+
+def test_probes_measure_after_the_configs_warm_up(make_config):
+    """With the default 3 warm-up steps a probe takes 5 steps, so 2 are measured (a probe of 3
+    steps would have measured nothing and the fit would have had no phase peaks)."""
+    from memstudy.maxres import prepare_template
+    from memstudy.train import check_measurable, planned_steps
+
+    probe = prepare_template(make_config(192, warmup_steps=3))
+    assert probe.train.max_steps == 5 and not probe.train.validate
+    assert planned_steps(probe, probe.data.train_images) == 5
+    check_measurable(probe, probe.data.train_images)

@@ -87,6 +87,7 @@ def test_nan_loss_is_recorded_as_diverged(db_with_a_run, make_config, monkeypatc
     (dict(device="cuda"), "train.device"),
     (dict(batch_size=0), "train.batch_size"),
     (dict(optimizer="lion"), "train.optimizer"),
+    (dict(warmup_steps=2), r"takes 2 optimizer step\(s\) .* leaves none to measure"),
 ])
 def test_bad_config_is_refused_and_records_nothing(db_with_a_run, make_config, change, message):
     if change.get("device") == "cuda" and torch.cuda.is_available():
@@ -193,3 +194,19 @@ def test_validation_overflow_in_float16_is_told_apart_from_diverged_weights(make
     else:  # NaN in float32 too: the weights themselves are bad
         assert "lower train.lr" in str(err.value)
     assert build.model.training  # validation always hands the model back in train mode
+
+
+@pytest.mark.parametrize("techniques, images, batch, epochs, max_steps, steps", [
+    ([], 5, 2, 1, None, 3),            # one process keeps the incomplete last batch
+    (["dp"], 5, 2, 1, None, 2),        # data-parallel ranks drop it (every rank must step)
+    (["fsdp"], 5, 2, 3, None, 6),
+    (["mp:mode=process"], 5, 2, 2, None, 6),
+    ([], 16, 2, 3, 10, 10),            # max_steps caps all epochs together
+])
+def test_planned_steps_follow_the_loop(make_config, techniques, images, batch, epochs, max_steps,
+                                       steps):
+    from memstudy.train import planned_steps
+
+    cfg = make_config(192, techniques=techniques, batch_size=batch, epochs=epochs,
+                      max_steps=max_steps)
+    assert planned_steps(cfg, images) == steps

@@ -107,6 +107,7 @@ def product_sets(product: dict[str, list[str]]) -> list[list[str]]:
 def expand(spec: GridSpec) -> list[Cell]:
     """Every cell of the grid, validated; an invalid cell carries its reason."""
     from memstudy.techniques.compose import make_plan  # torch-heavy: only when expanding
+    from memstudy.train import check_measurable
 
     cells: list[Cell] = []
     seen: set[str] = set()
@@ -120,6 +121,8 @@ def expand(spec: GridSpec) -> list[Cell]:
                 from memstudy.distributed.launch import group_backend
                 group_backend(cfg)
             cell.gpus = plan_gpus(make_plan(copy.deepcopy(cfg)))
+            if cfg.data.source == "synthetic":  # a folder's size is known only once it is read
+                check_measurable(cfg, cfg.data.train_images)
             cell.hash = config_hash(cfg)
         except (ConfigError, ValueError) as exc:
             cell.error = str(exc)
