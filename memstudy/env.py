@@ -28,6 +28,8 @@ def describe(device: torch.device) -> dict[str, object]:
         props = torch.cuda.get_device_properties(device)
         env.update(gpu_name=props.name, gpu_total_bytes=props.total_memory,
                    gpu_capability=f"{props.major}.{props.minor}", gpu_count=torch.cuda.device_count(),
+                   gpu_uuid=str(getattr(props, "uuid", "")) or None,  # which physical GPU ran it
+                   cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                    driver=_driver_version())
     return env
 

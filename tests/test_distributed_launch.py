@@ -91,9 +91,12 @@ def test_in_process_model_parallel_on_two_gpus_equals_unsplit():
 def test_in_process_model_parallel_run_on_two_gpus(tmp_path):
     db = tmp_path / "runs.sqlite"
     rc = main(["--db", str(db), "run", "-t", "mp:mode=local,amp:bf16", "--device", "cuda",
-               "--size", "192", "--batch-size", "2", "--steps", "2", "-q"])
+               "--size", "192", "--batch-size", "2", "--steps", "3",
+               "--set", "train.warmup_steps=1", "-q"])
     assert rc == 0
-    assert ResultsDB(db).runs()[0]["status"] == "ok"
+    (run,) = ResultsDB(db).runs()
+    assert run["status"] == "ok"
+    assert (0, "forward") in ResultsDB(db).metrics(run["id"])  # steps 2 and 3 were measured
 
 
 @pytest.mark.multigpu
