@@ -68,8 +68,21 @@ def test_nccl_ddp_on_two_gpus(tmp_path):
     assert run["device"] == "cuda:0"
 
 
+@pytest.fixture
+def full_float32():
+    """cuDNN convolutions default to TF32: two devices picking different algorithms then differ
+    by TF32's ~1e-3, order-dependently (an earlier amp run in the process turns TF32 off)."""
+    from memstudy.techniques.amp import set_tf32
+
+    before = torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+    set_tf32(False)
+    yield
+    set_tf32(before[0])
+    torch.set_float32_matmul_precision(before[1])
+
+
 @pytest.mark.multigpu
-def test_in_process_model_parallel_on_two_gpus_equals_unsplit():
+def test_in_process_model_parallel_on_two_gpus_equals_unsplit(full_float32):
     from memstudy.distributed.split import LocalSplitUNet
     from memstudy.models import build_unet
 
