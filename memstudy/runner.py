@@ -109,9 +109,13 @@ def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
     if "step_time_s" in run:
         pixels = config.train.batch_size * config.train.image_size ** 2
         run["throughput_px_s"] = pixels / run["step_time_s"]
-        flops = model_flops_per_step(config.train.batch_size, config.train.image_size)
-        run["model_flops_per_step"] = flops
-        run["model_tflops_s"] = flops / run["step_time_s"] / 1e12
+        try:  # a derived figure: failing to count must not lose the run's own record
+            flops = model_flops_per_step(config.train.batch_size, config.train.image_size)
+        except Exception as exc:  # noqa: BLE001 - kept in the record instead
+            record.env["model_flops_error"] = _describe(exc)
+        else:
+            run["model_flops_per_step"] = flops
+            run["model_tflops_s"] = flops / run["step_time_s"] / 1e12
     record.metrics = [(0, phase, k, v) for phase, figs in summary.items() for k, v in figs.items()]
 
 
