@@ -95,7 +95,8 @@ def planned_steps(config, train_images: int) -> int:
     """Optimizer steps the run will take (at its initial batch size; an elastic batch takes fewer)."""
     cfg = config.train
     names = {t.split(":")[0] for t in config.techniques}
-    if names & {"dp", "fsdp"}:  # data-parallel ranks drop an incomplete last global batch
+    if names & {"dp", "fsdp"}:  # the techniques that shard the batch (context.shard_batch):
+        # data-parallel ranks drop an incomplete last global batch
         per_epoch = train_images // cfg.batch_size
     else:
         per_epoch = math.ceil(train_images / cfg.batch_size)
@@ -207,7 +208,7 @@ def _float32_hint(build: Build, val_set) -> str | None:
     """Tell weights that diverged from a float16 eval forward that overflowed.
 
     Early in training, BatchNorm's running statistics lag the batch statistics (momentum 0.1,
-    and the encoder starts from ImageNet's), so eval-mode activations can be 10-100x their
+    and the encoder starts from ImageNet's), so eval-mode activations can be 10-1000x their
     training-mode size; in float16 (max 65504) that overflows at large images although the
     weights are finite and train. Re-evaluating the same weights in float32 tells the two apart.
     """
