@@ -91,11 +91,36 @@ def test_checkpoint_option_errors(spec, fragment):
     assert fragment in str(err.value)
 
 
-def test_checkpoint_with_invertible_leaves_momentum_blocks_alone():
-    """invertible (STRUCTURE) converts 13 of 16 blocks; checkpoint wraps the rest."""
+@pytest.fixture(scope="module")
+def invertible() -> Step:
     pytest.importorskip("momentumnet")
-    build = build_pipeline(make_plan(small_config(techniques=["invertible", "checkpoint:block"])))
-    assert build.notes["checkpoint_not_wrapped"]
+    return one_step(["invertible"])
+
+
+@pytest.mark.parametrize("placement", ["block", "sqrt"])
+def test_checkpoint_makes_each_momentum_run_one_region(invertible, placement):
+    """Chkp+Mom: a run of momentum blocks is one region that keeps only its input, so the pair
+    saves less than either alone; gradients and BatchNorm statistics are invertible's own (the
+    recomputation stops early inside momentumnet's forward, after which the rebuild must still
+    leave the running statistics alone)."""
+    alone = one_step([f"checkpoint:{placement}"])
+    both = one_step(["invertible", f"checkpoint:{placement}"])
+    assert "checkpoint_not_wrapped" not in both.notes
+    assert both.forward["saved_bytes"] < alone.forward["saved_bytes"]
+    assert both.forward["saved_bytes"] < 0.5 * invertible.forward["saved_bytes"]
+    for name, grad in invertible.grads.items():
+        torch.testing.assert_close(both.grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    for name, buf in invertible.buffers.items():
+        torch.testing.assert_close(both.buffers[name], buf, rtol=0, atol=0, msg=name)
+
+
+def test_selective_checkpoint_leaves_momentum_runs_alone():
+    """Its per-op policy would keep convolution outputs computed inside momentumnet's no-grad
+    forward: the momentum runs stay unwrapped and are listed."""
+    pytest.importorskip("momentumnet")
+    build = build_pipeline(make_plan(small_config(techniques=["invertible", "checkpoint:selective"])))
+    assert build.notes["checkpoint_not_wrapped"] == [
+        "encoder.layer1.0", "encoder.layer2.1", "encoder.layer3.1", "encoder.layer4.1"]
     assert len(build.notes["checkpoint_regions"]) == 3 + 5  # 3 downsampling blocks, 5 decoder
 
 

@@ -35,9 +35,9 @@ would update running_mean / running_var / num_batches_tracked a second time per 
 recompute context (checkpoint's `context_fn` gives the forward and the recomputation separate
 contexts) snapshots those buffers and restores them afterwards, so the running statistics
 equal the plain model's exactly. Modules are not replaced (only `forward` of instances is
-patched), so parameter names and state_dict keys are unchanged. Blocks that are not plain
-ResNet blocks (e.g. `invertible`'s MomentumBlocks, which rebuild their own activations) are
-left unwrapped and listed in the run's notes.
+patched), so parameter names and state_dict keys are unchanged. A run of `invertible`'s
+momentum blocks is one region (not under `selective`); other blocks that are not plain ResNet
+blocks are left unwrapped and listed in the run's notes.
 """
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.invertible import MomentumBlocks
 
 PLACEMENTS = ("block", "sqrt", "selective")
 RESNET34_UNET_UNITS = 1 + (3 + 4 + 6 + 3) + 5  # stem, BasicBlocks, decoder blocks
@@ -152,14 +153,21 @@ def is_plain_block(module: nn.Module) -> bool:
     return isinstance(module, (BasicBlock, Bottleneck))
 
 
+def is_region(module: nn.Module, selective: bool = False) -> bool:
+    """A residual block, or a run of `invertible`'s momentum blocks (not under `selective`: its
+    per-op policy would keep convolution outputs computed inside momentumnet's no-grad forward)."""
+    return is_plain_block(module) or (isinstance(module, MomentumBlocks) and not selective)
+
+
 # -- placements ------------------------------------------------------------------------------
 def apply_per_block(model: nn.Module, selective: bool) -> tuple[list[str], list[str]]:
     """`block` / `selective`: each residual block and decoder block; returns (wrapped, skipped)."""
     wrapped, skipped = [], []
     for stage_name, stage in zip(model.residual_stage_names, model.residual_stages):
         for i, block in enumerate(stage):
-            (wrapped if is_plain_block(block) else skipped).append(f"encoder.{stage_name}.{i}")
-            if is_plain_block(block):
+            region = is_region(block, selective)
+            (wrapped if region else skipped).append(f"encoder.{stage_name}.{i}")
+            if region:
                 checkpoint_module(block, selective)
     for i, block in enumerate(model.decoder_blocks):
         checkpoint_module(block, selective)
@@ -182,7 +190,7 @@ def chain_units(model: nn.Module) -> list[Unit]:
     for g, (name, stage) in enumerate(zip(model.residual_stage_names, model.residual_stages), 1):
         for i, block in enumerate(stage):
             modules = [enc.maxpool, block] if g == 1 and i == 0 else [block]
-            units.append(Unit(f"{name}.{i}", modules, g, is_plain_block(block)))
+            units.append(Unit(f"{name}.{i}", modules, g, is_region(block)))
     decoder_group = len(model.residual_stages) + 1
     units += [Unit(f"decoder.{i}", [b], decoder_group) for i, b in enumerate(model.decoder_blocks)]
     return units

@@ -108,11 +108,16 @@ class MomentumBlocks(nn.Module):
         blocks = self.momentum.functions
         for block in blocks:
             block.replay_autocast = None
-        out = self.momentum(x)
-        state = (x.device.type, torch.is_autocast_enabled(x.device.type),
-                 torch.get_autocast_dtype(x.device.type))
-        for block in blocks:
-            block.replay_autocast = state
+        try:
+            out = self.momentum(x)
+        finally:
+            # also when the forward is cut short: checkpoint's recomputation of this run stops
+            # (by an exception) once momentumnet has saved its tensors, and the rebuild that
+            # follows must still find the blocks in replay mode (frozen BatchNorm statistics)
+            state = (x.device.type, torch.is_autocast_enabled(x.device.type),
+                     torch.get_autocast_dtype(x.device.type))
+            for block in blocks:
+                block.replay_autocast = state
         # momentumnet keeps its initial (zero) velocity on the module: drop it, so a full-size
         # feature map does not stay alive between steps.
         if hasattr(self.momentum.network, "v"):
