@@ -208,7 +208,7 @@ def _float32_hint(build: Build, val_set) -> str | None:
     """Tell weights that diverged from a float16 eval forward that overflowed.
 
     Early in training, BatchNorm's running statistics lag the batch statistics (momentum 0.1,
-    and the encoder starts from ImageNet's), so eval-mode activations can be 10-1000x their
+    and the encoder starts from ImageNet's), so eval-mode activations can be ~3000x their
     training-mode size; in float16 (max 65504) that overflows at large images although the
     weights are finite and train. Re-evaluating the same weights in float32 tells the two apart.
     """
