@@ -7,6 +7,12 @@ three RGB filters are summed into one grey filter, as the source study did.
 The model holds no technique code. It names its parts so techniques can act per block:
 `encoder_stages` (stem, layer1..layer4), `residual_stages` (layer1..layer4, each a
 Sequential of BasicBlocks) and `decoder_blocks`.
+
+Any image size: the U-Net's five down-samplings need sides that are multiples of 32, so
+`forward` reflect-pads the bottom and right edges up to the next multiple (`padding_for`),
+runs `forward_padded`, and crops the output back; losses and metrics see real pixels only.
+A technique that changes how the network itself runs (spatial tiling) replaces
+`forward_padded`, never the padding.
 """
 from __future__ import annotations
 
@@ -14,11 +20,26 @@ from pathlib import Path
 
 import segmentation_models_pytorch as smp
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from memstudy.errors import ConfigError
 
 ENCODER = "resnet34"
+STRIDE = 32  # total down-sampling of the encoder: padded sides are multiples of this
+
+
+def padding_for(height: int, width: int) -> tuple[int, int]:
+    """Rows and columns added at the bottom and right to reach multiples of STRIDE."""
+    return -height % STRIDE, -width % STRIDE
+
+
+def pad_to_stride(x: torch.Tensor) -> torch.Tensor:
+    rows, cols = padding_for(*x.shape[-2:])
+    if not rows and not cols:
+        return x
+    # reflect (not zeros): the padded border looks like image, not like a dark frame
+    return F.pad(x, (0, cols, 0, rows), mode="reflect")
 
 
 class ContrastUNet(nn.Module):
@@ -28,6 +49,12 @@ class ContrastUNet(nn.Module):
                             activation="sigmoid")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        height, width = x.shape[-2:]
+        out = self.forward_padded(pad_to_stride(x))
+        return out[..., :height, :width]
+
+    def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """The network on an input whose sides are multiples of STRIDE."""
         return self.net(x)
 
     @property
