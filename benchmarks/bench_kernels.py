@@ -22,7 +22,7 @@ import torch
 
 from memstudy.kernels.grad_stats import flatten, make_layout, segment_stats, segment_stats_reference
 from memstudy.models import build_unet
-from memstudy.triaccel.units import unet_units
+from memstudy.triaccel.control_units import unet_units
 
 
 def timed(fn, repeat: int) -> float:

@@ -12,7 +12,7 @@ Every run: synthetic phantoms, batch 1 to start, the same epochs, a budget of 16
 paper's T4/P100 cards, emulated by memstudy's allocator cap), every step after one warm-up
 step measured so the peak covers the whole run. Writes triaccel.sqlite and triaccel.md
 into --out: peak memory, time per epoch, validation quality and the efficiency score
-(memstudy.triaccel.report.run_efficiency, defined in docs/triaccel.md).
+(memstudy.triaccel.score.run_efficiency, defined in docs/triaccel.md).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import torch
 from memstudy.config import RunConfig
 from memstudy.runner import execute
 from memstudy.store import ResultsDB
-from memstudy.triaccel.report import run_efficiency
-from memstudy.units import MB
+from memstudy.triaccel.score import run_efficiency
+from memstudy.bytesize import MB
 
 TRI = "tri_accel:t_ctrl=2:t_curv=4:b_curv=1:curv_crop=512:power_iters=3:max_batch=8"
 CONFIGS = {

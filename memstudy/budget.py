@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from memstudy.errors import ConfigError
-from memstudy.units import mb, parse_bytes
+from memstudy.bytesize import mb, parse_bytes
 
 
 def budget_bytes(budget: str | int | None) -> int | None:

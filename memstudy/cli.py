@@ -10,8 +10,8 @@ from memstudy.distributed.context import RANK_MAX, RANK_MEAN
 from memstudy.errors import ConfigError, MemstudyError
 from memstudy.runner import eprint, execute
 from memstudy.store import ResultsDB, default_db_path
-from memstudy.tables import phase_table
-from memstudy.units import mb
+from memstudy.table_format import phase_table
+from memstudy.bytesize import mb
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from memstudy.datasets import DataConfig
 from memstudy.errors import ConfigError
-from memstudy.units import parse_bytes
+from memstudy.bytesize import parse_bytes
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")

@@ -32,7 +32,7 @@ from memstudy.grid import config_hash, run_isolated
 from memstudy.runner import execute, run_name
 from memstudy.report.data import TRAIN_PHASES, absolute_phase_peaks
 from memstudy.store import ResultsDB
-from memstudy.units import mb
+from memstudy.bytesize import mb
 
 GRID_PX = 64
 MIN_PX = 192  # the smallest multiple of 64 that 5-scale MS-SSIM accepts
@@ -311,7 +311,7 @@ def _note(r: MaxresResult) -> str:
 
 
 def maxres_table(results: list[MaxresResult]) -> str:
-    from memstudy.tables import format_table
+    from memstudy.table_format import format_table
 
     rows = []
     for r in results:

@@ -3,7 +3,7 @@
 `context` answers "who am I" (rank, world size, device, backend); `launch` starts the
 processes of one run (spawn on one host, or torchrun on several); `records` merges every
 rank's measurements into the single run that rank 0 stores; `p2p`, `split` and
-`schedule` are the pieces of the model-parallel and pipeline techniques.
+`lr_schedule` are the pieces of the model-parallel and pipeline techniques.
 """
 from memstudy.distributed.context import (RANK_MAX, RANK_MEAN, is_distributed, local_rank, rank,
                                           world_size)

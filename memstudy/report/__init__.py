@@ -25,11 +25,11 @@ from memstudy.report.plots import (largest_size_chart, loss_curve_chart, png, ra
                                    resolution_chart, tri_control_chart)
 from memstudy.report.tables import (COLUMNS, TABLES, TITLES, as_cells, largest_size, loss_curves,
                                     losses, memory_ratios, memory_vs_resolution, phase_memory)
-from memstudy.report.triaccel import control_series as tri_control_series
-from memstudy.report.triaccel import efficiency as tri_efficiency
-from memstudy.report.triaccel import tri_runs
-from memstudy.tables import FORMATS, render_table
-from memstudy.units import mb, parse_bytes
+from memstudy.report.triaccel_section import control_series as tri_control_series
+from memstudy.report.triaccel_section import efficiency as tri_efficiency
+from memstudy.report.triaccel_section import tri_runs
+from memstudy.table_format import FORMATS, render_table
+from memstudy.bytesize import mb, parse_bytes
 
 GPU_DB = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "gpu.sqlite"
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from memstudy.report import plots
 from memstudy.report.tables import TITLES, as_cells
-from memstudy.tables import render_table
+from memstudy.table_format import render_table
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:80em}
 table{border-collapse:collapse;margin:0.5em 0 1.5em}
@@ -28,7 +28,7 @@ def _img(fig, alt: str) -> str:
 def build_html(source: str, tables: dict[str, list[dict[str, Any]]], resolution: list[dict],
                budget_mb: float | None, tri_controls: list[tuple[dict, dict]] = ()) -> str:
     """`tri_controls`: (run, control_series) per Tri-Accel run, plotted after the
-    `tri_efficiency` table (memstudy.report.triaccel)."""
+    `tri_efficiency` table (memstudy.report.triaccel_section)."""
     parts = [f"<h1>memstudy report</h1><p>{escape(source)} &middot; generated "
              f"{time.strftime('%Y-%m-%d %H:%M')}</p>"]
     for name, rows in tables.items():

@@ -113,7 +113,7 @@ def loss_curve_chart(rows: Rows):
 
 
 def tri_control_chart(series: dict[str, Any], title: str = ""):
-    """One Tri-Accel run over its control steps (memstudy.report.triaccel.control_series):
+    """One Tri-Accel run over its control steps (memstudy.report.triaccel_section.control_series):
     per-unit precision as a heat map, lambda_max and learning rate per unit, batch size,
     memory used vs capacity. Panels with no rows (a part switched off) say so."""
     from matplotlib.colors import ListedColormap

@@ -14,7 +14,7 @@ from typing import Any
 
 from memstudy.report.data import TRAIN_PHASES, load_maxres, load_runs, phase_peak
 from memstudy.store import ResultsDB
-from memstudy.units import mb
+from memstudy.bytesize import mb
 
 BASELINE = "original"
 Rows = list[dict[str, Any]]
@@ -143,7 +143,7 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
                      ("batch_size", "batch"), ("predicted_px", "predicted px"),
                      ("found_px", "found px"), ("peak_mb", "peak MB"), ("step_time_s", "step s"),
                      ("error", "error")],
-    # not in TABLES: shown only for databases with Tri-Accel runs (memstudy.report.triaccel)
+    # not in TABLES: shown only for databases with Tri-Accel runs (memstudy.report.triaccel_section)
     "tri_efficiency": [("name", "techniques"), ("image_size", "px"), ("run", "run"),
                        ("quality_pct", "val MS-SSIM %"), ("time_per_epoch_s", "epoch s"),
                        ("peak_mb", "peak MB"), ("capacity_mb", "capacity MB"),

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memstudy.distributed import context, p2p
-from memstudy.distributed.schedule import SCHEDULERS, add_scheduler, total_steps
+from memstudy.distributed.lr_schedule import SCHEDULERS, add_scheduler, total_steps
 from memstudy.distributed.split import DecoderHalf, EncoderHalf, LocalSplitUNet, P2PHalf
 from memstudy.errors import ConfigError
 from memstudy.techniques import register

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from memstudy.distributed import context, p2p
-from memstudy.distributed.schedule import SCHEDULERS, add_scheduler, total_steps
+from memstudy.distributed.lr_schedule import SCHEDULERS, add_scheduler, total_steps
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique

@@ -23,8 +23,8 @@ from memstudy.triaccel.curvature import unit_eigenvalues
 from memstudy.triaccel.elastic import CudaMemory, ElasticBatch, MeterMemory
 from memstudy.triaccel.precision import (LEVELS, UnitPrecision, VarianceEMA, assign_precision,
                                          float_output)
-from memstudy.triaccel.units import unet_units
-from memstudy.units import parse_bytes
+from memstudy.triaccel.control_units import unet_units
+from memstudy.bytesize import parse_bytes
 
 
 class TriAccelController:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from memstudy.report.data import load_runs, open_db
-from memstudy.units import mb
+from memstudy.bytesize import mb
 
 TECHNIQUE = "tri_accel"
 Rows = list[dict[str, Any]]
-# Network order of the units (memstudy.triaccel.units) for plots; unknown names go last.
+# Network order of the units (memstudy.triaccel.control_units) for plots; unknown names go last.
 UNIT_ORDER = ("stem", "encoder", "decoder", "head")
 
 

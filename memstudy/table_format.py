@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from memstudy.units import mb
+from memstudy.bytesize import mb
 
 PHASE_ORDER = ("forward", "backward", "step", "validation")
 
