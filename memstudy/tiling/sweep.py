@@ -1,0 +1,287 @@
+"""Exact tile-by-tile forward and backward of a region with BatchNorm in training mode.
+
+A `Region` is a function of a few full-size inputs (its boundaries) written for one tile
+(`body(run, *strips)`); every BatchNorm inside it is called through `run.norm(j, z)`, which
+normalises with explicit statistics instead of the tile's own. The statistics of BatchNorm k
+are those of its input z_k over the *whole image*, produced by `_Stats` (a sweep over tiles that
+runs the body up to z_k and merges the owned rows), and they are ordinary differentiable
+tensors: `_Apply` (a sweep that writes the owned output rows) takes them as inputs, so autograd
+hands their gradients back to the `_Stats` that made them.
+
+Backward of either Function recomputes each tile with grad enabled (nothing of a tile is kept
+between forward and backward) and backpropagates the owned rows only:
+- `_Apply`: the surrogate sum_owned(out * grad_out);
+- `_Stats` k: mean_k = sum(z)/N and var_k = sum((z - mean_k)^2)/N, so dL/dz = g_mean/N +
+  g_var * 2 (z - mean_k) / N (the path through mean_k in var_k vanishes: sum(z - mean_k) = 0).
+Each yields gradients for the input strips (added into full-size input gradients), for the
+earlier statistics and for the parameters. With K BatchNorms computed in a region, a training
+step runs K + 1 forward sweeps and K + 1 backward sweeps of that region, and nothing of full size
+other than the region's inputs and output is alive at any time.
+
+Numerics: tile statistics are merged with Chan's parallel formula in float32 (float64 for a
+float64 model); normalisation runs in that precision from the explicit statistics and casts back
+to the convolution's dtype, as cuDNN's BatchNorm does under autocast. The backward re-enters
+the forward's autocast state. Running statistics are updated once per step, here, with
+PyTorch's formula (momentum, unbiased variance, num_batches_tracked); a BatchNorm in eval mode
+uses its running statistics and gets no `_Stats` at all (the exact tiled inference path).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from memstudy.tiling.geometry import Path, Tile
+
+Stats = tuple[torch.Tensor, torch.Tensor]  # (mean, biased variance), one value per channel
+
+
+@dataclass
+class Region:
+    name: str
+    input_factors: tuple[int, ...]  # each input's resolution in multiples of the coarse grid
+    norms: list[nn.modules.batchnorm._BatchNorm]  # every BatchNorm the body calls, in order
+    shared: int  # norms[:shared] take statistics computed by an earlier region
+    modules: list[nn.Module]  # whose parameters the body uses
+    paths: list[Path]  # receptive-field paths (geometry.halo)
+    body: Callable[..., torch.Tensor]  # body(run, *strips) -> output strip
+
+    def params(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for module in self.modules:
+            for p in module.parameters():
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
+
+
+class _Reached(Exception):
+    """Stops a tile's body at the BatchNorm whose input a statistics sweep wants."""
+
+    def __init__(self, z: torch.Tensor):
+        super().__init__()
+        self.z = z
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def normalize(z: torch.Tensor, stats: Stats, bn: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
+    dtype = compute_dtype(z.dtype)
+    mean, var = (s.to(dtype) for s in stats)
+    scale = torch.rsqrt(var + bn.eps) * bn.weight.to(dtype)
+    shift = bn.bias.to(dtype) - mean * scale
+    return (z.to(dtype) * scale[:, None, None] + shift[:, None, None]).to(z.dtype)
+
+
+class TileRun:
+    """One tile's run of a region body: crops owned rows and normalises with given statistics."""
+
+    def __init__(self, region: Region, tile: Tile, stats: Sequence[Stats | None],
+                 target: int | None = None):
+        self.region, self.tile, self.stats, self.target = region, tile, stats, target
+
+    def owned(self, t: torch.Tensor) -> torch.Tensor:
+        (a, b), (q0, q1) = self.tile.own, self.tile.strip
+        factor = t.shape[-2] // (q1 - q0)
+        return t[..., factor * (a - q0):factor * (b - q0), :]
+
+    def norm(self, j: int, z: torch.Tensor) -> torch.Tensor:
+        if j == self.target:
+            raise _Reached(self.owned(z))
+        return normalize(z, self.stats[j], self.region.norms[j])
+
+    def __call__(self, strips: list[torch.Tensor]) -> torch.Tensor:
+        try:
+            return self.owned(self.region.body(self, *strips))
+        except _Reached as reached:
+            return reached.z
+
+
+def strips_of(region: Region, tile: Tile, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    q0, q1 = tile.strip
+    return [x[..., f * q0:f * q1, :] for x, f in zip(inputs, region.input_factors)]
+
+
+# -- the two sweeps as autograd Functions ------------------------------------------------------
+@dataclass
+class Sweep:
+    """What both Functions need besides tensors: region, tiles, the forward's autocast state."""
+    region: Region
+    tiles: list[Tile]
+    autocast: tuple[str, bool, torch.dtype]
+
+    @property
+    def n_inputs(self) -> int:
+        return len(self.region.input_factors)
+
+    @property
+    def n_tensors(self) -> int:
+        """Inputs and flat statistics: the Functions' tensor arguments before the parameters."""
+        return self.n_inputs + 2 * len(self.region.norms)
+
+    def unpack(self, tensors: Sequence) -> tuple[list, list[Stats | None], list]:
+        n, m = self.n_inputs, 2 * len(self.region.norms)
+        flat = tensors[n:n + m]
+        stats = [None if flat[i] is None else (flat[i], flat[i + 1]) for i in range(0, m, 2)]
+        return list(tensors[:n]), stats, list(tensors[n + m:])
+
+
+def flatten_stats(stats: Sequence[Stats | None]) -> list[torch.Tensor | None]:
+    return [t for s in stats for t in (s if s is not None else (None, None))]
+
+
+def merge(acc: tuple[float, torch.Tensor, torch.Tensor] | None, z: torch.Tensor):
+    """Chan et al.'s parallel update of (count, mean, M2) with one tile's owned rows."""
+    z = z.to(compute_dtype(z.dtype))
+    n = z.numel() // z.shape[1]
+    var, mean = torch.var_mean(z, dim=(0, 2, 3), correction=0)
+    if acc is None:
+        return n, mean, var * n
+    n0, mean0, m2 = acc
+    delta = mean - mean0
+    total = n0 + n
+    return total, mean0 + delta * (n / total), m2 + var * n + delta.square() * (n0 * n / total)
+
+
+class _Stats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, sweep: Sweep, k: int, counts: dict, *tensors):
+        inputs, stats, _ = sweep.unpack(tensors)
+        acc = None
+        for tile in sweep.tiles:
+            acc = merge(acc, TileRun(sweep.region, tile, stats, target=k)(
+                strips_of(sweep.region, tile, inputs)))
+        count, mean, m2 = acc
+        counts[k] = count
+        var = m2 / count
+        ctx.sweep, ctx.k, ctx.count = sweep, k, count
+        # inputs and statistics go through saved-tensor hooks (offload / compression see the
+        # region's boundaries); parameters are alive anyway and are read from the modules
+        ctx.save_for_backward(*tensors[:sweep.n_tensors], mean)
+        return mean, var
+
+    @staticmethod
+    def backward(ctx, g_mean, g_var):
+        *saved, mean = ctx.saved_tensors
+        sweep, count = ctx.sweep, ctx.count
+        region = sweep.region
+
+        def grad_of(tile: Tile, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            z = z.to(compute_dtype(z.dtype))
+            coef = (g_mean[:, None, None] + 2 * g_var[:, None, None] * (z.detach() - mean[:, None, None])) / count
+            return z, coef
+
+        grads = backprop_tiles(sweep, list(saved) + region.params(), ctx.needs_input_grad[3:],
+                               ctx.k, grad_of)
+        return (None, None, None, *grads)
+
+
+class _Apply(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, sweep: Sweep, *tensors):
+        inputs, stats, _ = sweep.unpack(tensors)
+        out = None
+        for tile in sweep.tiles:
+            part = TileRun(sweep.region, tile, stats)(strips_of(sweep.region, tile, inputs))
+            if out is None:
+                out = _full_like(part, inputs, sweep)
+            factor = part.shape[-2] // (tile.own[1] - tile.own[0])
+            out[..., factor * tile.own[0]:factor * tile.own[1], :] = part
+        ctx.sweep = sweep
+        ctx.save_for_backward(*tensors[:sweep.n_tensors])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        sweep = ctx.sweep
+
+        def grad_of(tile: Tile, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            factor = part.shape[-2] // (tile.own[1] - tile.own[0])
+            return part, grad_out[..., factor * tile.own[0]:factor * tile.own[1], :]
+
+        grads = backprop_tiles(sweep, list(ctx.saved_tensors) + sweep.region.params(),
+                               ctx.needs_input_grad[1:], None, grad_of)
+        return (None, *grads)
+
+
+def _full_like(part: torch.Tensor, inputs: list[torch.Tensor], sweep: Sweep) -> torch.Tensor:
+    total = sweep.tiles[-1].own[1]
+    factor = part.shape[-2] // (sweep.tiles[0].own[1] - sweep.tiles[0].own[0])
+    return part.new_empty(*part.shape[:2], factor * total, part.shape[-1])
+
+
+def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: int | None,
+                   grad_of: Callable) -> list:
+    """Recompute every tile with grad and backpropagate its owned rows (see module docstring);
+    returns one gradient (or None) per entry of `tensors` = inputs, flat stats, params."""
+    region = sweep.region
+    inputs, stats, params = sweep.unpack(tensors)
+    n, m = sweep.n_inputs, 2 * len(region.norms)
+    grads: list = [None] * len(tensors)
+    device_type, enabled, dtype = sweep.autocast
+    for tile in sweep.tiles:
+        with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            strips = [s.detach().requires_grad_(needs[i]) for i, s in
+                      enumerate(strips_of(region, tile, inputs))]
+            flat = [None if t is None else t.detach().requires_grad_(needs[n + i])
+                    for i, t in enumerate(flatten_stats(stats))]
+            leaves = strips + flat + list(params)
+            out, grad_out = grad_of(tile, TileRun(region, tile, sweep.unpack(
+                [*strips, *flat])[1], target)(strips))
+            wanted = [i for i, t in enumerate(leaves) if t is not None and needs[i]]
+            if not wanted:
+                continue
+            got = torch.autograd.grad(out, [leaves[i] for i in wanted], grad_out,
+                                      allow_unused=True)
+        q0, q1 = tile.strip
+        for i, g in zip(wanted, got):
+            if g is None:
+                continue
+            if i < n:  # an input strip: add into the full-size input gradient
+                if grads[i] is None:
+                    grads[i] = torch.zeros_like(inputs[i])
+                f = region.input_factors[i]
+                grads[i][..., f * q0:f * q1, :] += g
+            else:
+                grads[i] = g if grads[i] is None else grads[i] + g
+    return grads
+
+
+# -- driving a region ----------------------------------------------------------------------
+def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    return (device_type, torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type))
+
+
+def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
+               shared: Sequence[Stats] = ()) -> tuple[torch.Tensor, list[Stats]]:
+    """The region's output over the whole image, and the statistics every norm used."""
+    sweep = Sweep(region, tiles, autocast_state(inputs[0].device.type))
+    params = region.params()
+    stats: list[Stats | None] = list(shared) + [None] * (len(region.norms) - region.shared)
+    counts: dict[int, int] = {}
+    for k in range(region.shared, len(region.norms)):
+        bn = region.norms[k]
+        if not bn.training:
+            stats[k] = (bn.running_mean, bn.running_var)
+            continue
+        stats[k] = _Stats.apply(sweep, k, counts, *inputs, *flatten_stats(stats), *params)
+        update_running_stats(bn, *stats[k], counts[k])
+    return _Apply.apply(sweep, *inputs, *flatten_stats(stats), *params), stats
+
+
+@torch.no_grad()
+def update_running_stats(bn: nn.modules.batchnorm._BatchNorm, mean: torch.Tensor,
+                         var: torch.Tensor, count: int) -> None:
+    """What nn.BatchNorm2d does in a training-mode forward, with the whole image's statistics."""
+    if not bn.track_running_stats:
+        return
+    bn.num_batches_tracked.add_(1)
+    factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    unbiased = var * (count / max(count - 1, 1))
+    bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.dtype), alpha=factor)
+    bn.running_var.mul_(1 - factor).add_(unbiased.to(bn.running_var.dtype), alpha=factor)
