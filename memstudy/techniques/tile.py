@@ -1,0 +1,122 @@
+"""tile: the U-Net's full- and half-resolution levels run tile by tile, exactly, BatchNorm included.
+
+Memory / compute trade-off: at large images the floor of every other technique is the top of
+the U-Net - the stem and the last decoder blocks hold few channels but millions of pixels, and
+checkpointing still materialises a whole full-resolution block when it recomputes it. `tile`
+splits those levels into full-width row strips, each computed from its input strip plus a halo
+(its receptive field), and keeps only the region boundaries alive: the input image, the 1/4-res
+stem output and decoder block 2's output (levels=2), and the network output. Nothing of the
+tiled levels is saved for backward; backward recomputes each tile. BatchNorm stays exact in
+training mode: each tiled BatchNorm's batch statistics are those of the whole image, computed by
+a statistics sweep over tiles before it normalises anything, and they are differentiable tensors
+whose gradients (the BatchNorm's global reductions) flow back through the same tiles
+(memstudy/tiling/sweep.py). The price is compute: a region with K BatchNorms runs K + 1 forward
+sweeps and K + 1 backward sweeps (each sweep recomputes the region up to that BatchNorm, plus
+halo rows). At levels=2 the stem region has 1 BatchNorm, the top region 4 (plus the stem's
+shared one, recomputed per tile), so the tiled levels cost several times their untiled forward;
+they are cheap levels (few channels), so the step slows by much less (measured:
+docs/techniques/tile.md).
+
+Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`):
+- `tiles` (positional): number of row strips (near-equal; 0 with rows=0 means 4);
+- `rows`: rows per strip at full resolution instead (a multiple of 2**levels; the last strip
+  may be shorter);
+- `levels`: 2 = full + half resolution (stem, decoder blocks 3-4, head); 1 = full resolution
+  only (decoder block 4 and head).
+Composes with amp, checkpoint:block / selective and invertible (they act on the untiled levels;
+the decoder blocks and stem that tile runs are not run through their wrapped forward), offload
+and saved-tensor compression (they see the region boundaries, which tile's Functions save), dp.
+Refused: checkpoint:sqrt (it replaces the encoder/decoder forward that tile runs stage by stage),
+mp / pipeline / fsdp (the model is split or its parameters sharded), quantization (fake
+quantizers would observe each tile separately), compile (not traced through tile's Functions).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memstudy.errors import ConfigError
+from memstudy.models.unet import STRIDE
+from memstudy.techniques import register
+from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.tiling import TiledForward, check_levels, min_tile_rows
+
+DEFAULT_TILES = 4
+# technique -> why it cannot run with tile
+CONFLICTS = {
+    "mp": "splits the model across devices, tile runs it whole",
+    "pipeline": "splits the model into stages, tile runs it whole",
+    "fsdp": "shards the parameters that tile reads from the modules per tile",
+    "quantization": "its fake quantizers would observe every tile separately (not exact)",
+    "compile": "torch.compile does not trace through tile's autograd Functions",
+}
+
+
+@dataclass
+class Options:
+    tiles: int = field(default=0, metadata={
+        "help": f"number of full-width row strips (0 with rows=0: {DEFAULT_TILES})"})
+    rows: int = field(default=0, metadata={
+        "help": "rows per strip at full resolution instead of a count (multiple of 2**levels)"})
+    levels: int = field(default=2, metadata={
+        "help": "resolution levels tiled from full resolution down: 2 = full + half, 1 = full"})
+
+
+def resolved(opts: Options) -> Options:
+    return Options(tiles=opts.tiles or (0 if opts.rows else DEFAULT_TILES), rows=opts.rows,
+                   levels=opts.levels)
+
+
+def check(opts: Options, plan: Plan) -> None:
+    check_levels(opts.levels, "tile:levels")
+    if opts.tiles < 0 or opts.rows < 0:
+        raise ConfigError(f"tile: tiles={opts.tiles} and rows={opts.rows} must be >= 0")
+    if opts.tiles and opts.rows:
+        raise ConfigError(f"tile: give tiles ({opts.tiles}) or rows ({opts.rows}), not both")
+    unit, halo = 2 ** opts.levels, min_tile_rows(opts.levels)
+    if opts.rows % unit:
+        raise ConfigError(f"tile:rows={opts.rows} must be a multiple of {unit} (the "
+                          f"{unit}x-down-sampled grid at levels={opts.levels})")
+    if opts.rows and opts.rows < halo:
+        raise ConfigError(f"tile:rows={opts.rows} is smaller than its halo of {halo} rows at "
+                          f"levels={opts.levels}; use rows >= {halo}")
+    height = _padded_height(plan.config.train.image_size)
+    if height is not None and opts.tiles and height // opts.tiles < halo:
+        raise ConfigError(f"tile:tiles={opts.tiles} makes strips of {height // opts.tiles} rows "
+                          f"of the {height}-row padded image, smaller than the {halo}-row halo; "
+                          f"use tiles <= {height // halo}")
+    _check_composition(plan)
+
+
+def _padded_height(size) -> int | None:
+    """Padded rows of train.image_size when it names one height (an int or 'HxW')."""
+    text = str(size)
+    head = text.split("x")[0]
+    if not head.isdigit():
+        return None  # e.g. native sizes: checked per image when the forward plans its tiles
+    return -(-int(head) // STRIDE) * STRIDE
+
+
+def _check_composition(plan: Plan) -> None:
+    for name, why in CONFLICTS.items():
+        if plan.has(name):
+            raise ConfigError(f"tile cannot compose with {name}: {why}; drop one of tile, {name}")
+    if plan.has("checkpoint") and plan.chosen["checkpoint"].placement == "sqrt":
+        raise ConfigError("tile cannot compose with checkpoint:sqrt, which replaces the encoder "
+                          "and decoder forward that tile runs stage by stage; use "
+                          "checkpoint:block or checkpoint:selective with tile")
+
+
+def apply(opts: Options, build: Build) -> None:
+    opts = resolved(opts)
+    model = build.model
+    if not hasattr(model, "forward_padded"):
+        raise ConfigError("tile: the model has no forward_padded to tile; drop tile")
+    model.forward_padded = TiledForward(model, opts.levels, opts.tiles, opts.rows)
+    build.notes["tile"] = {"levels": opts.levels, "tiles": opts.tiles, "rows": opts.rows,
+                           "halo_rows": min_tile_rows(opts.levels)}
+
+
+register(Technique("tile", Stage.ACTIVATION, Options,
+                   "exact row-strip tiling of the top U-Net levels (BatchNorm statistics of the "
+                   "whole image): boundaries only in memory, tiles recomputed in backward",
+                   apply, check))

@@ -1,0 +1,56 @@
+"""Exact tiled validation: the eval forward with the top levels run in row strips.
+
+In eval mode BatchNorm normalises with its running statistics, so a tile needs no statistics
+sweep: one sweep per region, under `torch.no_grad` and the run's autocast, and the output equals
+the untiled forward to float rounding (tests/test_tiling.py). The full- and half-resolution
+levels, which set the validation peak at large sizes, then hold one strip at a time; the
+levels below run untiled. `rows` = 0 runs the untiled forward (for comparison).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from memstudy.tiling.unet import TiledForward
+
+VALIDATION_LEVELS = 2
+
+
+def find_unet(model: nn.Module) -> nn.Module | None:
+    """The ContrastUNet inside DDP / torch.compile wrappers, or None (a split model)."""
+    seen = 0
+    while model is not None and seen < 4:
+        if hasattr(model, "forward_padded") and hasattr(model, "decoder_blocks"):
+            return model
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        seen += 1
+    return None
+
+
+@contextlib.contextmanager
+def forward_padded_as(unet: nn.Module, rows: int):
+    """Within: `unet`'s forward_padded is the tiled one (rows > 0) or the untiled one (0)."""
+    had = "forward_padded" in vars(unet)
+    previous = vars(unet).get("forward_padded")
+    unet.forward_padded = (TiledForward(unet, VALIDATION_LEVELS, rows=rows) if rows
+                           else type(unet).forward_padded.__get__(unet))
+    try:
+        yield
+    finally:
+        if had:
+            unet.forward_padded = previous
+        else:
+            del unet.forward_padded
+
+
+def validation_forward(model: nn.Module, x: torch.Tensor, rows: int) -> tuple[torch.Tensor, str]:
+    """The eval-mode output for `x`, and how it was computed (recorded with the run)."""
+    unet = find_unet(model)
+    if unet is None:
+        return model(x), "untiled (the model is split across devices or stages)"
+    with forward_padded_as(unet, rows):
+        out = unet(x)  # wrappers bypassed: an eval forward needs no DDP sync nor compilation
+    how = f"tiled: levels={VALIDATION_LEVELS}, rows={rows}" if rows else "untiled (val_tile_rows=0)"
+    return out, how
