@@ -56,7 +56,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    from memstudy.distributed.launch import launched_by_torchrun, run_distributed
+    from memstudy.launch import launched_by_torchrun, run_distributed
 
     if cfg.world_size > 1 or launched_by_torchrun():  # docs/distributed.md
         rec = run_distributed(cfg, args.db, None if args.quiet else eprint)

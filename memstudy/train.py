@@ -18,6 +18,7 @@ from memstudy.errors import ConfigError, Diverged, PhaseFailure
 from memstudy.meters import PhaseRecorder
 from memstudy.quality import quality
 from memstudy.runtime import StepInfo
+from memstudy.techniques import shards_batch
 from memstudy.techniques.base import Build
 
 
@@ -94,8 +95,7 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
 def planned_steps(config, train_images: int) -> int:
     """Optimizer steps the run will take (at its initial batch size; an elastic batch takes fewer)."""
     cfg = config.train
-    names = {t.split(":")[0] for t in config.techniques}
-    if names & {"dp", "fsdp"}:  # the techniques that shard the batch (context.shard_batch):
+    if shards_batch(config.techniques):  # declared by the technique (context.shard_batch):
         # data-parallel ranks drop an incomplete last global batch
         per_epoch = train_images // cfg.batch_size
     else:

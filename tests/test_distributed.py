@@ -14,8 +14,8 @@ from memstudy.distributed import RANK_MAX, RANK_MEAN
 from memstudy.distributed.records import merge
 from memstudy.errors import ConfigError
 from memstudy.store import RunRecord
-from memstudy.techniques import get_technique, parse_techniques
 from memstudy.techniques.base import Plan
+from memstudy.techniques.compose import make_plan
 
 TABLE_4 = ["dp", "dp,amp", "dp,zero", "dp,zero,amp", "dp,zero,checkpoint", "dp,zero,invertible",
            "dp,zero,amp,checkpoint"]
@@ -30,12 +30,7 @@ def plan_for(techniques: str, world_size: int = 2, device: str = "cuda", n_gpus:
                        warmup_steps=warmup_steps)
     cfg.world_size = world_size
     cfg.train.device = device
-    cfg.check()
-    chosen = parse_techniques(cfg.techniques)
-    plan = Plan(config=cfg, device=torch.device(device), n_gpus=n_gpus, chosen=chosen)
-    for name, options in chosen.items():
-        get_technique(name).check(options, plan)
-    return plan
+    return make_plan(cfg, device=torch.device(device), n_gpus=n_gpus)
 
 
 @pytest.mark.parametrize("techniques", TABLE_4 + TABLE_6)
@@ -69,7 +64,7 @@ def test_split_applies_after_other_structural_techniques():
     ("fsdp,zero", dict(), ["drop zero"]),
     ("dp,mp:mode=local", dict(world_size=1), ["mp:mode=local"]),
     ("dp,mp", dict(), ["drop one"]),
-    ("mp,pipeline", dict(), ["drop mp"]),
+    ("mp,pipeline", dict(), ["mp and pipeline", "drop one"]),
     ("dp", dict(world_size=4, n_gpus=2), ["only 2 GPU"]),
     ("pipeline:micro_batches=3", dict(batch_size=4), ["micro_batches=3", "train.batch_size 4"]),
     ("mp,checkpoint:sqrt", dict(), ["checkpoint:block"]),
@@ -83,7 +78,7 @@ def test_impossible_combinations_are_refused_by_name(techniques, kwargs, words):
 
 
 def test_world_size_without_a_distributed_technique_is_refused():
-    from memstudy.distributed.launch import group_backend
+    from memstudy.launch import group_backend
 
     cfg = small_config(techniques=[], batch_size=2, warmup_steps=2)
     cfg.world_size = 2

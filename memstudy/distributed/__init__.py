@@ -1,7 +1,7 @@
 """Distributed execution for memstudy: process groups, launching, per-rank records, p2p.
 
-`context` answers "who am I" (rank, world size, device, backend); `launch` starts the
-processes of one run (spawn on one host, or torchrun on several); `records` merges every
+`context` answers "who am I" (rank, world size, device, backend); memstudy.launch (one
+layer up: it runs the harness) starts the processes of one run; `records` merges every
 rank's measurements into the single run that rank 0 stores; `p2p`, `split` and
 `lr_schedule` are the pieces of the model-parallel and pipeline techniques.
 """

@@ -15,9 +15,7 @@ from memstudy.errors import ConfigError
 
 RANK_MEAN = -1  # metrics rows holding the mean over ranks (what the study reports)
 RANK_MAX = -2  # metrics rows holding the maximum over ranks (what decides whether a run fits)
-BACKENDS = ("auto", "nccl", "gloo")
-# Techniques that own the process group (at most one per run); each has a `backend` option.
-GROUP_OWNERS = ("dp", "fsdp", "mp", "pipeline")
+BACKENDS = ("auto", "nccl", "gloo")  # the `backend` option of every process-group owner
 
 
 def is_distributed() -> bool:
@@ -65,7 +63,8 @@ def resolve_backend(requested: str, device: torch.device, owner: str, gloo_on_cu
 
 
 def check_world(plan, owner: str, min_world: int = 2, exact: int | None = None) -> None:
-    """Shared refusals of a process-group technique: world size, one GPU per process, device."""
+    """Shared refusals of a process-group technique: world size, one GPU per process, device.
+    (That at most one technique owns the group is a composition rule: compose.check_declared.)"""
     cfg = plan.config
     ws = cfg.world_size
     if exact is not None and ws != exact:
@@ -74,11 +73,6 @@ def check_world(plan, owner: str, min_world: int = 2, exact: int | None = None) 
     if ws < min_world:
         raise ConfigError(f"{owner} needs world_size >= {min_world} processes (got {ws}); set "
                           f"--set world_size=2 (one process per GPU)")
-    others = [n for n in plan.chosen if n in GROUP_OWNERS and n != owner
-              and not (n == "mp" and plan.chosen[n].mode == "local")]
-    if others:
-        raise ConfigError(f"{owner} and {others[0]} each need the whole process group; combining "
-                          f"them (2-D parallelism) is not supported: drop one of them")
     if plan.device.type == "cuda":
         if plan.device.index is not None:
             raise ConfigError(f"train.device = {cfg.train.device!r} pins one GPU, but under "
@@ -102,25 +96,6 @@ def check_batch_divides(plan, owner: str) -> None:
     if plan.config.data.source == "synthetic" and images is not None and images < b:
         raise ConfigError(f"{owner}: data.train_images {images} is smaller than one global batch "
                           f"(train.batch_size {b}); every step needs a full global batch")
-
-
-def split_last(plan, owner: str) -> None:
-    """A split must see the final modules, so it runs after every other structural technique
-    (invertible residuals, ...), whatever order `techniques` lists them in. Checkpointing the
-    whole-model sqrt chain cannot follow a split; per-block checkpointing can."""
-    from memstudy.techniques import get_technique
-    from memstudy.techniques.base import Stage
-
-    ckpt = plan.chosen.get("checkpoint")
-    if ckpt is not None and getattr(ckpt, "placement", "block") == "sqrt":
-        raise ConfigError(f"checkpoint:sqrt chains the whole U-Net, which {owner} splits over two "
-                          f"devices; use checkpoint:block (or selective) with {owner}")
-    structural = [n for n in plan.chosen if get_technique(n).stage == Stage.STRUCTURE]
-    if structural[-1] != owner:
-        order = [n for n in plan.chosen if n != owner]
-        order.insert(order.index(structural[-1]) + 1, owner)
-        # make_plan iterates its own dict; build_pipeline applies plan.chosen in this order
-        plan.chosen = {n: plan.chosen[n] for n in order}
 
 
 def shard_batch(build) -> None:

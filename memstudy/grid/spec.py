@@ -117,10 +117,7 @@ def expand(spec: GridSpec) -> list[Cell]:
         cfg = cell_config(spec, techniques, size, batch, seed, world)
         cell = Cell(index=len(cells) + 1, config=cfg)
         try:
-            if cfg.world_size > 1:  # the launcher's own check: a distributed technique uses them
-                from memstudy.distributed.launch import group_backend
-                group_backend(cfg)
-            cell.gpus = plan_gpus(make_plan(copy.deepcopy(cfg)))
+            cell.gpus = make_plan(copy.deepcopy(cfg)).gpus_needed()
             if cfg.data.source == "synthetic":  # a folder's size is known only once it is read
                 check_measurable(cfg, cfg.data.train_images)
             cell.hash = config_hash(cfg)
@@ -134,20 +131,12 @@ def expand(spec: GridSpec) -> list[Cell]:
     return cells
 
 
-def plan_gpus(plan) -> int:
-    """GPUs a run of this plan holds: one per process (world_size), two for mp:mode=local
-    (one process on two GPUs), none on the CPU (gloo processes share the cores)."""
-    if plan.device.type != "cuda":
-        return 0
-    mp = plan.chosen.get("mp")
-    return 2 if mp is not None and mp.mode == "local" else plan.config.world_size
-
-
 def gpus_needed(config: RunConfig) -> int:
-    """The GPUs a cell of `config` needs at once; raises ConfigError if it is invalid."""
+    """The GPUs a cell of `config` needs at once (Plan.gpus_needed, from the techniques'
+    declared gpus_per_process); raises ConfigError if it is invalid."""
     from memstudy.techniques.compose import make_plan
 
-    return plan_gpus(make_plan(copy.deepcopy(config)))
+    return make_plan(copy.deepcopy(config)).gpus_needed()
 
 
 def cell_config(spec: GridSpec, techniques: list[str], size: int, batch: int, seed: int,

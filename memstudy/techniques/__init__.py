@@ -33,9 +33,14 @@ def _load() -> None:
                 importlib.import_module(f"{__name__}.{mod.name}")
 
 
+def composition_key(technique: Technique) -> tuple[int, int, str]:
+    """The one composition order: stage, then declared order within the stage, then name."""
+    return (int(technique.stage), technique.order, technique.name)
+
+
 def list_techniques() -> list[Technique]:
     _load()
-    return sorted(_REGISTRY.values(), key=lambda t: (t.stage, t.name))
+    return sorted(_REGISTRY.values(), key=composition_key)
 
 
 def get_technique(name: str) -> Technique:
@@ -47,7 +52,8 @@ def get_technique(name: str) -> Technique:
 
 
 def parse_techniques(specs: list[str]) -> dict[str, Any]:
-    """['amp:bf16', 'checkpoint'] -> {name: options} in composition (stage) order."""
+    """['amp:bf16', 'checkpoint'] -> {name: options} in composition order (`composition_key`),
+    whatever order `specs` lists them in."""
     chosen: dict[str, tuple[Technique, Any]] = {}
     for spec in specs:
         name, *args = [p.strip() for p in spec.split(":")]
@@ -55,8 +61,13 @@ def parse_techniques(specs: list[str]) -> dict[str, Any]:
         if name in chosen:
             raise ConfigError(f"technique {name!r} given twice in techniques {specs}; keep one")
         chosen[name] = (tech, tech.parse(args))
-    ordered = sorted(chosen.values(), key=lambda pair: pair[0].stage)
+    ordered = sorted(chosen.values(), key=lambda pair: composition_key(pair[0]))
     return {tech.name: opts for tech, opts in ordered}
+
+
+def shards_batch(specs: list[str]) -> bool:
+    """Whether a technique of `specs` splits each global batch over the ranks."""
+    return any(get_technique(n).holds("shards_batch", o) for n, o in parse_techniques(specs).items())
 
 
 def canonical(specs: list[str]) -> list[str]:
@@ -65,4 +76,4 @@ def canonical(specs: list[str]) -> list[str]:
 
 
 __all__ = ["Build", "Plan", "Stage", "Technique", "register", "list_techniques",
-           "get_technique", "parse_techniques", "canonical"]
+           "get_technique", "parse_techniques", "canonical", "composition_key", "shards_batch"]

@@ -106,4 +106,4 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("amp", Stage.RUNTIME, Options,
                    "16-bit autocast halves saved activations (fp16 with loss scaling, bf16), "
-                   "or TF32 matmuls (speed only)", apply, check))
+                   "or TF32 matmuls (speed only)", apply, check, order=10))

@@ -4,6 +4,11 @@ A technique is one module in this package that calls `register(Technique(...))`.
 a small options dataclass (the first field is the positional option, so `amp:bf16`
 sets `dtype`), a `check` that refuses impossible combinations before anything is built,
 and an `apply` that acts on the `Build` (model, runtime policies, optimizer factory).
+
+It also declares what composition needs to know about it (`order` within its stage and facts
+such as `shards_batch` or `owns_process_group`), each with a default that fits most
+techniques: compose.py alone orders and applies techniques, and the rest of memstudy asks the
+`Plan` for these facts instead of naming techniques.
 """
 from __future__ import annotations
 
@@ -38,10 +43,37 @@ class Plan:
     config: "RunConfig"
     device: "torch.device"
     n_gpus: int
-    chosen: dict[str, Any]  # technique name -> its options, in composition order
+    chosen: dict[str, Any]  # technique name -> its options, in the canonical composition order
+    techniques: dict[str, "Technique"] = field(default_factory=dict)  # name -> its declaration
 
     def has(self, name: str) -> bool:
         return name in self.chosen
+
+    def declaring(self, fact: str) -> list[str]:
+        """Chosen techniques (in composition order) whose declared `fact` holds for their options."""
+        return [n for n, opts in self.chosen.items() if self.techniques[n].holds(fact, opts)]
+
+    def group_owners(self) -> list[str]:
+        """Techniques that need the whole process group of world_size processes."""
+        return self.declaring("owns_process_group")
+
+    def shards_batch(self) -> bool:
+        return bool(self.declaring("shards_batch"))
+
+    def gpus_per_process(self) -> int:
+        return max([self.techniques[n].value("gpus_per_process", o)
+                    for n, o in self.chosen.items()], default=1)
+
+    def gpus_needed(self) -> int:
+        """GPUs a run of this plan holds at once: none on the CPU (gloo processes share the
+        cores), else gpus_per_process for each of the world_size processes."""
+        if self.device.type != "cuda":
+            return 0
+        return self.config.world_size * self.gpus_per_process()
+
+    def applied(self) -> list[str]:
+        """The techniques as applied: canonical order, every option spelled out (hashed)."""
+        return [self.techniques[n].canonical(o) for n, o in self.chosen.items()]
 
 
 @dataclass
@@ -60,6 +92,9 @@ def _no_check(options: Any, plan: Plan) -> None:
     return None
 
 
+Fact = bool | int | Callable[[Any], Any]  # a constant, or a function of the technique's options
+
+
 @dataclass(frozen=True)
 class Technique:
     name: str
@@ -68,6 +103,25 @@ class Technique:
     summary: str
     apply: Callable[[Any, Build], None]
     check: Callable[[Any, Plan], None] = _no_check
+    # What composition needs to know. Techniques are applied in (stage, order, name) order,
+    # whatever order the user listed them in; see memstudy.techniques.compose.
+    order: int = 50  # position within the stage, lower first (0..100 by convention)
+    shards_batch: Fact = False  # each rank draws batch_size / world_size of every global batch
+    # (an incomplete last global batch is dropped)
+    owns_process_group: Fact = False  # needs the whole group of world_size processes; at most
+    # one such technique per run (2-D parallelism is not supported)
+    gloo_on_cuda: bool = False  # (group owners) its collectives run over gloo with CUDA tensors
+    gpus_per_process: Fact = 1  # GPUs each process of the run holds
+    splits_model: Fact = False  # replaces the model by a part of it on each device, so it must
+    # see the final modules (highest order of STRUCTURE) and nothing may chain the whole model
+
+    def value(self, fact: str, options: Any) -> Any:
+        """A declared fact for these options."""
+        declared = getattr(self, fact)
+        return declared(options) if callable(declared) else declared
+
+    def holds(self, fact: str, options: Any) -> bool:
+        return bool(self.value(fact, options))
 
     def parse(self, args: list[str]) -> Any:
         """Options from ['bf16'] or ['placement=sqrt', 'segments=4']; errors name the option."""
@@ -99,7 +153,7 @@ def _convert(tech: str, f: dataclasses.Field, hint: Any, text: str) -> Any:
         raise ConfigError(f"technique {tech}: {f.name}={text!r} is not one of {list(choices)}")
     base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
     kind = base[0]
-    if text == "none" and type(None) in typing.get_args(hint):
+    if text.lower() == "none" and type(None) in typing.get_args(hint):  # "None": canonical form
         return None
     try:
         if kind is bool:

@@ -77,6 +77,11 @@ class Options:
 
 
 def check(opts: Options, plan: Plan) -> None:
+    splitters = plan.declaring("splits_model")
+    if opts.placement == "sqrt" and splitters:
+        raise ConfigError(f"checkpoint:sqrt chains the whole U-Net, which {splitters[0]} splits "
+                          f"over two devices; use checkpoint:block (or selective) with "
+                          f"{splitters[0]}")
     if opts.segments and opts.placement != "sqrt":
         raise ConfigError(f"checkpoint: segments applies only to placement=sqrt (got "
                           f"placement={opts.placement}); drop segments or use checkpoint:sqrt")
@@ -285,4 +290,4 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("checkpoint", Stage.ACTIVATION, Options,
                    "recompute activations in backward: less forward memory, ~1 extra forward",
-                   apply, check))
+                   apply, check, order=20))

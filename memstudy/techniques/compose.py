@@ -10,7 +10,11 @@ Order, and why it is this one:
    must see the parameters exactly as they will be trained.
 5. RUNTIME (autocast, loss scaling, adaptive precision, elastic batch, accumulation) acts
    on the training step, not on modules, and may depend on the final parameter layout.
-A combination is validated whole, before anything is built (`make_plan`).
+Within a stage, techniques are applied in their declared `order`, then by name: the applied
+order never depends on how the user listed them, and it is what every run records and hashes
+(`canonical`). A combination is validated whole, before anything is built (`make_plan`):
+each technique's `check` (which may refuse but never reorders the plan), then the rules that
+follow from declared facts alone (`check_declared`).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from memstudy.errors import ConfigError
 from memstudy.models import build_unet
 from memstudy.quality import MSSSIMLoss, check_image_size
 from memstudy.runtime import Runtime
-from memstudy.techniques import get_technique, parse_techniques
+from memstudy.techniques import get_technique, list_techniques, parse_techniques
 from memstudy.techniques.base import Build, Plan, Stage
 
 
@@ -40,17 +44,46 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-def make_plan(config: RunConfig) -> Plan:
-    """Everything that can be refused is refused here, before a model or dataset is built."""
+def make_plan(config: RunConfig, *, device: torch.device | None = None,
+              n_gpus: int | None = None) -> Plan:
+    """Everything that can be refused is refused here, before a model or dataset is built.
+
+    `device` and `n_gpus` plan for another host (validation only: tests plan 2-GPU runs on the
+    CPU); by default they are this process's train.device and its visible GPUs."""
     config.check()
     check_image_size(config.train.image_size, config.train.msssim_scales)
-    device = resolve_device(config.train.device)
-    chosen = parse_techniques(config.techniques)
-    plan = Plan(config=config, device=device,
-                n_gpus=torch.cuda.device_count() if device.type == "cuda" else 0, chosen=chosen)
-    for name, options in chosen.items():
+    device = resolve_device(config.train.device) if device is None else device
+    if n_gpus is None:
+        n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    chosen = parse_techniques(config.techniques)  # canonical order, whatever the user's order
+    plan = Plan(config=config, device=device, n_gpus=n_gpus, chosen=chosen,
+                techniques={name: get_technique(name) for name in chosen})
+    for name, options in chosen.items():  # the specific refusals first, naming the fix
         get_technique(name).check(options, plan)
+    check_declared(plan)
     return plan
+
+
+def check_declared(plan: Plan) -> None:
+    """The composition rules that follow from declared facts alone (no technique named)."""
+    owners = plan.group_owners()
+    if len(owners) > 1:
+        raise ConfigError(f"{owners[0]} and {owners[1]} each need the whole process group; "
+                          "combining them (2-D parallelism) is not supported: drop one of them")
+    if plan.config.world_size > 1 and not owners:
+        raise ConfigError(f"world_size {plan.config.world_size} starts several processes but no "
+                          "distributed technique uses them; add one that owns the process group "
+                          f"({', '.join(group_owner_names())}) to techniques, or set "
+                          "world_size = 1")
+    splitters = plan.declaring("splits_model")
+    if len(splitters) > 1:
+        raise ConfigError(f"{splitters[0]} and {splitters[1]} both split the model over devices; "
+                          "drop one of them")
+
+
+def group_owner_names() -> list[str]:
+    """Techniques that can own the process group (for messages)."""
+    return [t.name for t in list_techniques() if t.owns_process_group is not False]
 
 
 def default_optimizer(config: RunConfig):

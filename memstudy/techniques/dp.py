@@ -56,4 +56,5 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("dp", Stage.PARALLEL, Options,
                    "data parallel (DDP): global batch split over ranks, full replica per GPU",
-                   apply, check))
+                   apply, check, order=10, shards_batch=True, owns_process_group=True,
+                   gloo_on_cuda=True))  # DDP's all-reduce works over gloo with CUDA tensors

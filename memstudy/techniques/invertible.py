@@ -187,4 +187,4 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("invertible", Stage.STRUCTURE, Options,
                    "MomentumNet encoder blocks: activations rebuilt in backward (extra forward)",
-                   apply, check))
+                   apply, check, order=10))  # first: later structural techniques see its blocks

@@ -40,9 +40,6 @@ class Options:
 
 
 def check(opts: Options, plan: Plan) -> None:
-    if plan.has("pipeline"):
-        raise ConfigError("pipeline already splits the model as mp does: drop mp")
-    context.split_last(plan, "mp")
     if opts.scheduler != "none":
         total_steps(plan.config)  # refuses a schedule whose length cannot be known
     if opts.mode == "local":
@@ -109,6 +106,15 @@ def _split_loss(build: Build, r: int):
     return encoder_loss if r == 0 else decoder_loss
 
 
+def _owns_group(opts: Options) -> bool:
+    return opts.mode == "process"  # mode=local runs in one process on two GPUs
+
+
+def _gpus_per_process(opts: Options) -> int:
+    return 2 if opts.mode == "local" else 1
+
+
 register(Technique("mp", Stage.STRUCTURE, Options,
                    "model parallel: encoder and decoder on two devices (one process or two)",
-                   apply, check))
+                   apply, check, order=90, owns_process_group=_owns_group,
+                   gpus_per_process=_gpus_per_process, splits_model=True))

@@ -133,4 +133,5 @@ def apply(opts: Options, build: Build) -> None:
 
 
 register(Technique("offload", Stage.ACTIVATION, Options,
-                   "saved activations in host RAM: device memory for PCIe traffic", apply, check))
+                   "saved activations in host RAM: device memory for PCIe traffic", apply, check,
+                   order=60))

@@ -48,7 +48,6 @@ def check(opts: Options, plan: Plan) -> None:
     if b % opts.micro_batches:
         raise ConfigError(f"pipeline:micro_batches={opts.micro_batches} must divide "
                           f"train.batch_size {b}; change either")
-    context.split_last(plan, "pipeline")
     context.check_world(plan, "pipeline", exact=2)
     context.resolve_backend(opts.backend, plan.device, "pipeline", gloo_on_cuda=False)
     if opts.scheduler != "none":
@@ -113,4 +112,4 @@ class PipelinedStep:
 
 register(Technique("pipeline", Stage.STRUCTURE, Options,
                    "pipeline: the mp split over micro-batches (GPipe / 1F1B), two ranks",
-                   apply, check))
+                   apply, check, order=90, owns_process_group=True, splits_model=True))

@@ -108,4 +108,4 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("tri_accel", Stage.RUNTIME, Options,
                    "per-unit adaptive precision + curvature-scaled LR + elastic batch (Tri-Accel)",
-                   apply, check))
+                   apply, check, order=20))

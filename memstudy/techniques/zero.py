@@ -54,4 +54,4 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("zero", Stage.PARALLEL, Options,
                    "ZeRO-1: optimizer state sharded over dp ranks (ZeroRedundancyOptimizer)",
-                   apply, check))
+                   apply, check, order=20))  # after dp: wraps the optimizer factory

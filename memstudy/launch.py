@@ -30,9 +30,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from memstudy.distributed.context import GROUP_OWNERS, local_rank
+from memstudy.distributed.context import local_rank, resolve_backend
 from memstudy.distributed.records import set_object_group
 from memstudy.errors import ConfigError
+from memstudy.runner import execute
+from memstudy.store import ResultsDB
+from memstudy.techniques.compose import make_plan
 
 TIMEOUT_S = float(os.environ.get("MEMSTUDY_DIST_TIMEOUT_S", "600"))  # a rank that died ends
 # the others' collectives after this long instead of hanging them forever
@@ -43,23 +46,18 @@ def launched_by_torchrun() -> bool:
 
 
 def group_backend(config) -> str:
-    """Validate the whole configuration (nothing started yet); return the backend to use."""
-    from memstudy.techniques.compose import make_plan
+    """Validate the whole configuration (nothing started yet); return the backend to use.
 
+    make_plan refuses world_size > 1 without a technique that owns the process group, and two
+    such techniques; the owner's declaration says whether gloo can carry its CUDA tensors."""
     plan = make_plan(copy.deepcopy(config))
-    owners = [n for n in plan.chosen if n in GROUP_OWNERS
-              and not (n == "mp" and plan.chosen[n].mode == "local")]
-    if config.world_size > 1 and not owners:
-        raise ConfigError(f"world_size {config.world_size} starts several processes but no "
-                          "distributed technique uses them; add dp, fsdp, mp or pipeline to "
-                          "techniques, or set world_size = 1")
+    owners = plan.group_owners()
     if not owners:
-        raise ConfigError("a torchrun launch needs a distributed technique (dp, fsdp, mp, "
-                          "pipeline) and world_size > 1")
-    name = owners[0]
-    from memstudy.distributed.context import resolve_backend
-    return resolve_backend(plan.chosen[name].backend, plan.device, name,
-                           gloo_on_cuda=(name == "dp"))
+        raise ConfigError("a torchrun launch needs a technique that owns the process group "
+                          "(see `memstudy techniques`) and world_size > 1")
+    owner = plan.techniques[owners[0]]
+    return resolve_backend(plan.chosen[owner.name].backend, plan.device, owner.name,
+                           gloo_on_cuda=owner.gloo_on_cuda)
 
 
 def run_distributed(config, db_path: str | None, progress: Callable[[str], None] | None):
@@ -97,9 +95,6 @@ def _worker(index: int, config, db_path, env: dict, result: str, progress) -> No
 
 def run_in_group(config, db_path, progress):
     """Join the process group (env:// rendezvous), run, leave. Rank 0 writes the database."""
-    from memstudy.runner import execute
-    from memstudy.store import ResultsDB
-
     backend = group_backend(config)
     ws = int(os.environ["WORLD_SIZE"])
     if backend == "nccl":
