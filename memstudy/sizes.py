@@ -1,0 +1,88 @@
+"""Image sizes as the user writes them: `4188`, `"4188x3500"` (height x width) or `"native"`.
+
+One parser for every place a size is given (TOML, `--set`, `--size`, grid specs, maxres), so
+the same text means the same run everywhere. The parsed, canonical form is what the resolved
+config stores and hashes:
+- a square is an int (`"4188"`, `"4188x4188"` and `4188` are one run, and hashes of runs
+  recorded before rectangles existed stay valid);
+- a rectangle is the string `"HxW"` without spaces or leading zeros;
+- `"native"` means every image at its own resolution (folder data only).
+Pure Python on purpose (no torch, no cv2): the CLI and the config import it cheaply.
+"""
+from __future__ import annotations
+
+import numbers
+import re
+
+from memstudy.errors import ConfigError
+
+NATIVE = "native"
+_HXW = re.compile(r"(\d+)\s*[xX×]\s*(\d+)")
+FORMS = "an integer (4188), 'HEIGHTxWIDTH' ('4188x3500') or 'native'"
+
+Size = int | str  # canonical: int (square), "HxW" (rectangle) or "native"
+
+
+def parse_size(value: object, setting: str = "train.image_size") -> Size:
+    """The canonical form of a size, or a ConfigError naming `setting`.
+
+    Only the syntax and positivity are checked here; the loss's minimum side is checked
+    where the number of MS-SSIM scales is known (quality.check_image_size)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{setting} = {value!r} is not a size; write {FORMS}")
+    if isinstance(value, numbers.Integral):
+        return _square(int(value), int(value), setting, value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == NATIVE:
+            return NATIVE
+        if text.isdigit():
+            return _square(int(text), int(text), setting, value)
+        match = _HXW.fullmatch(text)
+        if match:
+            return _square(int(match[1]), int(match[2]), setting, value)
+    raise ConfigError(f"{setting} = {value!r} is not a size; write {FORMS}")
+
+
+def _square(height: int, width: int, setting: str, given: object) -> Size:
+    if height < 1 or width < 1:
+        raise ConfigError(f"{setting} = {given!r}: every side must be >= 1 px; write {FORMS}")
+    return height if height == width else f"{height}x{width}"
+
+
+def size_hw(size: Size) -> tuple[int, int] | None:
+    """(height, width) of a canonical size; None for native (each image its own)."""
+    size = parse_size(size)
+    if size == NATIVE:
+        return None
+    if isinstance(size, int):
+        return size, size
+    height, width = size.split("x")
+    return int(height), int(width)
+
+
+def is_native(size: object) -> bool:
+    return isinstance(size, str) and size.strip().lower() == NATIVE
+
+
+def size_label(size: Size) -> str:
+    """'4188', '4188x3500' or 'native': how tables and progress lines show a size."""
+    return str(parse_size(size))
+
+
+RESIZE_MODES = ("none", "stretch", "cover")  # data.resize; docs/data.md
+
+
+def check_size_source(size: Size, source: str, resize: str) -> None:
+    """Cross-field rules between train.image_size, data.source and data.resize."""
+    if size == NATIVE and source != "folder":
+        raise ConfigError("train.image_size = 'native' needs folder data (each image at its own "
+                          f"resolution); data.source is {source!r}: give a size such as 1024 or "
+                          "'1024x768', or set data.source = 'folder' with data.path")
+    if resize != "none" and source != "folder":
+        raise ConfigError(f"data.resize = {resize!r} applies to folder data only (phantoms are "
+                          "generated at train.image_size); set data.resize = 'none'")
+    if resize != "none" and size == NATIVE:
+        raise ConfigError(f"data.resize = {resize!r} with train.image_size = 'native' asks for "
+                          "two things: keep native sizes (data.resize = 'none') or give "
+                          "train.image_size a size to resize to")
