@@ -176,9 +176,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+DB_AFTER = dict(default=argparse.SUPPRESS, help="results database (SQLite); also accepted "
+                "before the subcommand")
+
+
 def add_study_parsers(sub) -> None:
-    """grid, maxres and report; `--db` is also accepted after the subcommand."""
-    db = dict(default=argparse.SUPPRESS, help="results database (SQLite)")
+    """grid, maxres and report."""
+    db = DB_AFTER
     grid = sub.add_parser("grid", help="run a grid of technique sets x sizes, resumably")
     grid.add_argument("spec", help="grid spec (TOML, docs/grid.md)")
     grid.add_argument("--db", **db)
@@ -233,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("sources", nargs="+", help="results databases to copy from")
     merge.set_defaults(func=cmd_merge)
     add_study_parsers(sub)
+    for command in sub.choices.values():  # `memstudy run --db X` as well as `memstudy --db X run`
+        if not any("--db" in a.option_strings for a in command._actions):
+            command.add_argument("--db", **DB_AFTER)
     return parser
 
 

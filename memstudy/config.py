@@ -2,20 +2,26 @@
 
 A resolved config (techniques in canonical form, defaults filled in) is what gets hashed
 and stored with every result, so a result always says exactly what was measured.
+
+Every setting is checked against its field's declared type (memstudy.typecheck) however it
+arrives (TOML, `--set`, grid specs), then against its range by its section's `check`; errors
+name the setting. This module imports neither torch nor cv2.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import numbers
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memstudy.datasets import DataConfig
 from memstudy.errors import ConfigError
-from memstudy.bytesize import parse_bytes
+from memstudy.bytesize import ByteSize, parse_bytes
+from memstudy.typecheck import check_fields, field_types, typed_value
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
@@ -74,6 +80,39 @@ class MeterConfig:
             raise ConfigError("meter.nvml_interval_ms must be > 0")
 
 
+SOURCES = ("synthetic", "folder")
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # "synthetic" phantoms or a "folder" of radiographs
+    path: str | None = None  # the data folder; required for source = "folder"
+    train_images: int = 48  # the study: 48 training and 12 validation radiographs
+    val_images: int = 12
+    seed: int = 0  # phantom seed, or the seed of the folder's train / val split
+    cache_dir: str | None = None  # keep generated items on disk here (.npy); else $MEMSTUDY_CACHE
+
+    def validate(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source must be 'synthetic' or 'folder', got {self.source!r}")
+        if self.source == "folder" and not self.path:
+            raise ValueError("data.path is required when data.source = 'folder'")
+        if self.source == "synthetic" and self.path:
+            raise ValueError(f"data.path is set ({str(self.path)!r}) but data.source = "
+                             "'synthetic'; set data.source = 'folder' to train on it, or remove "
+                             "data.path")
+        for name, minimum in (("train_images", 1), ("val_images", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < minimum:
+                raise ValueError(f"data.{name} must be an integer >= {minimum}, got {value!r}")
+        if self.cache_dir is not None and not str(self.cache_dir):
+            raise ValueError("data.cache_dir must be a directory path or unset")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclass
 class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -81,11 +120,12 @@ class RunConfig:
     meter: MeterConfig = field(default_factory=MeterConfig)
     techniques: list[str] = field(default_factory=list)  # e.g. ["amp:bf16", "checkpoint:block"]
     encoder_weights: str | None = None  # local ImageNet ResNet-34 state_dict; nothing downloaded
-    budget: str | None = None  # cap on device memory, e.g. "8GiB" (CUDA context included)
+    budget: ByteSize | None = None  # cap on device memory, e.g. "8GiB" or 1e9 (CUDA context included)
     world_size: int = 1  # processes launched by `memstudy run` for distributed techniques
     label: str | None = None  # free text for reports; not part of the config hash
 
     def check(self) -> None:
+        check_fields(self)  # declared types first: the range checks compare typed values
         self.train.check()
         self.meter.check()
         try:
@@ -130,6 +170,7 @@ def from_dict(raw: dict[str, Any]) -> RunConfig:
     cfg = RunConfig(**kwargs)
     if isinstance(cfg.techniques, str):
         cfg.techniques = split_techniques(cfg.techniques)
+    check_fields(cfg)
     return cfg
 
 
@@ -159,7 +200,9 @@ def load_toml(path: str | Path) -> RunConfig:
 
 
 def set_value(cfg: RunConfig, assignment: str) -> None:
-    """Apply one `section.key=value` override (value parsed as TOML, else kept as a string)."""
+    """Apply one `section.key=value` override: the value is parsed as TOML, else kept as a
+    string ('none' / 'null' unset a setting that may be unset), then checked against the
+    setting's declared type."""
     key, sep, text = assignment.partition("=")
     if not sep:
         raise ConfigError(f"--set {assignment!r}: write section.key=value, e.g. train.lr=1e-4")
@@ -175,9 +218,16 @@ def set_value(cfg: RunConfig, assignment: str) -> None:
         target = getattr(target, part)
     if not dataclasses.is_dataclass(target) or leaf not in {f.name for f in dataclasses.fields(target)}:
         raise ConfigError(f"--set {key}: no such setting")
+    hint = field_types(type(target))[leaf]
+    if dataclasses.is_dataclass(getattr(target, leaf)):
+        raise ConfigError(f"--set {key}: {key} is a section; set one of its keys, e.g. "
+                          f"{key}.{dataclasses.fields(getattr(target, leaf))[0].name}=...")
     if leaf == "techniques" and isinstance(value, str):
         value = split_techniques(value)
-    setattr(target, leaf, value)
+    if value in ("none", "null") and type(None) in typing.get_args(hint):
+        value = None
+    setattr(target, leaf, typed_value(key.strip(), hint, value))
+
 
 
 def split_techniques(text: str) -> list[str]:

@@ -34,36 +34,10 @@ from torch.utils.data import Dataset
 
 from memstudy.datasets.enhance import EnhanceParams, enhance_contrast
 from memstudy.datasets.folder import ImageError, ImagePair, list_pairs, load_image
+from memstudy.config import SOURCES, DataConfig  # noqa: F401 (re-exported: the data section)
 from memstudy.datasets.phantom import GENERATOR_VERSION, MIN_SIZE, make_phantom
 
-SOURCES = ("synthetic", "folder")
 _CACHE_FORMAT = 1  # bump when the on-disk layout changes
-
-
-@dataclass
-class DataConfig:
-    source: str = "synthetic"  # "synthetic" phantoms or a "folder" of radiographs
-    path: str | None = None  # the data folder; required for source = "folder"
-    train_images: int = 48  # the study: 48 training and 12 validation radiographs
-    val_images: int = 12
-    seed: int = 0  # phantom seed, or the seed of the folder's train / val split
-    cache_dir: str | None = None  # keep generated items on disk here (.npy); else $MEMSTUDY_CACHE
-
-    def validate(self) -> None:
-        if self.source not in SOURCES:
-            raise ValueError(f"data.source must be 'synthetic' or 'folder', got {self.source!r}")
-        if self.source == "folder" and not self.path:
-            raise ValueError("data.path is required when data.source = 'folder'")
-        if self.source == "synthetic" and self.path:
-            raise ValueError(f"data.path is set ({str(self.path)!r}) but data.source = "
-                             "'synthetic'; set data.source = 'folder' to train on it, or remove "
-                             "data.path")
-        for name, minimum in (("train_images", 1), ("val_images", 1), ("seed", 0)):
-            value = getattr(self, name)
-            if not _is_int(value) or value < minimum:
-                raise ValueError(f"data.{name} must be an integer >= {minimum}, got {value!r}")
-        if self.cache_dir is not None and not str(self.cache_dir):
-            raise ValueError("data.cache_dir must be a directory path or unset")
 
 
 class ItemSource(Protocol):
