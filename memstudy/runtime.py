@@ -14,8 +14,46 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
-PackHook = Callable[[torch.Tensor], Any]
-UnpackHook = Callable[[Any], torch.Tensor]
+PackHook = Callable[[Any], Any]  # a tensor, or what an earlier transform packed it into
+UnpackHook = Callable[[Any], Any]
+
+# Where each saved-tensor transform sits in the chain, whatever order techniques are applied in:
+# pack runs in increasing position, unpack in reverse. Compression comes before offload, so
+# offload moves the compressed bytes and brings them back before they are decompressed.
+TRANSFORM_POSITIONS = {"compress": 10, "offload": 20}
+BOUNDARY = "_memstudy_boundary"  # attribute set on tensors kept between regions
+
+
+@dataclass(frozen=True)
+class SavedTensorTransform:
+    owner: str  # the technique's name; its place in the chain is TRANSFORM_POSITIONS[owner]
+    pack: PackHook
+    unpack: UnpackHook
+
+
+def saved_tensors_of(packed: Any) -> list[torch.Tensor]:
+    """The tensors a packed saved tensor holds: itself, or a packed object's `tensors()`.
+
+    A transform that packs into something other than a tensor (compress: codes and per-group
+    statistics) gives it `tensors()` (what the meters count) and `map_tensors(fn)` (a copy
+    with every tensor replaced by fn(tensor): how offload moves it)."""
+    if isinstance(packed, torch.Tensor):
+        return [packed]
+    tensors = getattr(packed, "tensors", None)
+    return list(tensors()) if tensors is not None else []
+
+
+def mark_boundary(*tensors: Any) -> None:
+    """Mark tensors kept between regions - checkpoint region inputs, tile boundaries - so that
+    transforms restricted to boundaries (compress / offload `which=boundaries`) act on them.
+    Marking changes nothing else; non-tensors and parameters are ignored."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+            setattr(t, BOUNDARY, True)
+
+
+def is_boundary(obj: Any) -> bool:
+    return bool(getattr(obj, BOUNDARY, False))
 
 
 @dataclass
@@ -34,7 +72,8 @@ class Runtime:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer]
     forward_contexts: list[Callable[[], ContextManager]] = field(default_factory=list)
-    saved_tensor_transform: tuple[PackHook, UnpackHook] | None = None
+    # The chain of saved-tensor transforms (compress, offload), in TRANSFORM_POSITIONS order.
+    saved_tensor_transforms: list[SavedTensorTransform] = field(default_factory=list)
     saved_tensor_observers: list[Callable[[Any], None]] = field(default_factory=list)
     scaler: Any = None  # torch.amp.GradScaler when float16 is in use
     step_hooks: list[Callable[[StepInfo], None]] = field(default_factory=list)
@@ -57,10 +96,14 @@ class Runtime:
     # detached loss; recorded as one phase, "forward_backward".
     forward_backward: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
-    def set_saved_tensor_transform(self, pack: PackHook, unpack: UnpackHook, owner: str) -> None:
-        if self.saved_tensor_transform is not None:
-            raise RuntimeError(f"{owner}: another technique already transforms saved tensors")
-        self.saved_tensor_transform = (pack, unpack)
+    def add_saved_tensor_transform(self, pack: PackHook, unpack: UnpackHook, owner: str) -> None:
+        if owner not in TRANSFORM_POSITIONS:
+            raise RuntimeError(f"{owner}: no place in the saved-tensor chain; add it to "
+                               "runtime.TRANSFORM_POSITIONS")
+        if any(t.owner == owner for t in self.saved_tensor_transforms):
+            raise RuntimeError(f"{owner}: already transforms saved tensors")
+        self.saved_tensor_transforms.append(SavedTensorTransform(owner, pack, unpack))
+        self.saved_tensor_transforms.sort(key=lambda t: TRANSFORM_POSITIONS[t.owner])
 
     def forward_context(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -72,13 +115,16 @@ class Runtime:
         return stack
 
     def _saved_tensor_hooks(self) -> tuple[PackHook, UnpackHook] | None:
-        transform, observers = self.saved_tensor_transform, self.saved_tensor_observers
-        if transform is None and not observers:
+        transforms, observers = self.saved_tensor_transforms, self.saved_tensor_observers
+        if not transforms and not observers:
             return None  # no hooks at all: nothing added to the measured hot path
-        pack, unpack = transform or (lambda t: t, lambda t: t)
+        packs = [t.pack for t in transforms]
+        unpacks = [t.unpack for t in reversed(transforms)]
 
         def observed_pack(tensor: torch.Tensor) -> Any:
-            packed = pack(tensor)
+            packed = tensor
+            for pack in packs:
+                packed = pack(packed)
             if packed is tensor:
                 # Keep a detached alias, never the tensor itself: a saved *output* still holds
                 # its grad_fn, which owns this SavedVariable, so storing it forms a cycle through
@@ -87,10 +133,16 @@ class Runtime:
                 # re-attaches the grad_fn on unpack (what it does itself for saved outputs).
                 packed = tensor.detach()
             for observe in observers:
-                observe(packed)
+                for saved in saved_tensors_of(packed):
+                    observe(saved)
             return packed
 
-        return observed_pack, unpack
+        def chained_unpack(packed: Any) -> torch.Tensor:
+            for unpack in unpacks:
+                packed = unpack(packed)
+            return packed
+
+        return observed_pack, chained_unpack
 
     def forward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self.forward_context():

@@ -57,6 +57,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from memstudy.errors import ConfigError
+from memstudy.runtime import mark_boundary
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 from memstudy.techniques.invertible import MomentumBlocks
@@ -133,6 +134,9 @@ def checkpointed_call(fn: Callable, modules: list[nn.Module], selective: bool, *
                       if selective else noop_context_fn)
     else:
         context_fn = functools.partial(_contexts, modules, selective)
+        # the region's inputs are what it keeps for backward: compress / offload with
+        # which=boundaries act on these tensors only
+        mark_boundary(*args, *kwargs.values())
     # respect_saved_tensors_hooks: tensors `selective` keeps go through the runtime's
     # saved-tensor hooks like any other saved tensor (the meters count them, offload moves them).
     # Older torch (before the option existed) keeps them outside the hooks: the meters then

@@ -7,8 +7,8 @@ and the small saved tensors below `min_bytes`. The cost is PCIe traffic: every o
 crosses the bus twice per step (device -> host in forward, host -> device in backward), plus
 the host RAM itself (reported as `saved_host_bytes`).
 
-How (a `saved_tensors_hooks` pack / unpack pair, installed through the runtime's
-`set_saved_tensor_transform`, so the harness meters see what stays on the device):
+How (a pack / unpack pair in the runtime's chain of saved-tensor transforms,
+`add_saved_tensor_transform`, so the harness meters see what stays on the device):
 - pack: a saved tensor on the compute device of at least `min_bytes` is copied into a host
   buffer (page-locked when `pin_memory`) on a side CUDA stream that first waits for the
   compute stream; the copy then overlaps with the following forward kernels. The device
@@ -17,15 +17,29 @@ How (a `saved_tensors_hooks` pack / unpack pair, installed through the runtime's
   require grad) stay where they are: they are alive anyway. A tensor saved by several ops
   (a ReLU output saved by the ReLU and by the next convolution) is copied once.
 - unpack: the compute stream waits for that copy's event, then copies the buffer back
-  (non-blocking from pinned memory). Backward copies are not prefetched: each one is issued
-  when autograd asks for the tensor, so the host -> device traffic is on the critical path
-  of backward. That is the main limit of this implementation (see docs/techniques/offload.md).
+  (non-blocking from pinned memory). With `prefetch=0` each copy is issued when autograd asks
+  for the tensor, so the host -> device traffic is on the critical path of backward.
+- prefetch (`prefetch=N`): host copies are numbered in pack order. When autograd unpacks copy
+  i, the copies below i (backward runs roughly in reverse pack order) are started on the side
+  stream, until N copies are in flight (brought back and not yet used); a later unpack of a
+  prefetched copy only makes the compute stream wait for its event. So the transfer of the
+  next tensors overlaps the backward kernels of the current ones, at the cost of up to N
+  extra device tensors alive. A prefetched copy serves every unpack of its tensor (a ReLU
+  output saved twice is brought back once); a copy whose saved tensor autograd frees unused
+  leaves the window. The values are the same bytes: gradients are identical to prefetch=0.
+- which: `all` saved tensors (above min_bytes), or only `boundaries`, the tensors checkpoint
+  (and tile) mark as kept between regions (`runtime.mark_boundary`): the region inputs and
+  skip connections, which dominate what checkpointed runs still save.
+
+With `compress`: the runtime chains compress before offload, so offload receives compressed
+objects and moves their payload (codes; the per-group statistics too when above min_bytes):
+fewer bytes over PCIe, brought back before compress restores the tensor.
 
 Interplay: inside a non-reentrant `checkpoint` region, checkpoint's own saved-tensor hooks
 take precedence, so those tensors are neither saved nor offloaded (they are recomputed);
-offload acts on what is saved outside regions, plus what `checkpoint:selective` keeps (it
-routes those through the surrounding hooks). The region inputs checkpoint holds stay on
-the device. `invertible`'s momentum stages save their output and velocity, which are offloaded.
+offload acts on what is saved outside regions, on the region inputs (torch's checkpoint saves
+them through the surrounding hooks), and on what `checkpoint:selective` keeps (it routes
+those through the surrounding hooks too). `invertible`'s momentum stages save their output and velocity, which are offloaded.
 On the CPU there is no separate host memory: the technique is refused there, and the CPU
 tests exercise the pack / unpack pair directly (`Offloader`, host = compute = cpu).
 """
@@ -38,10 +52,12 @@ from typing import Any
 import torch
 
 from memstudy.errors import ConfigError
+from memstudy.runtime import is_boundary
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
-OFFLOADED = "_memstudy_offloaded"  # attribute on a host copy: (compute device, copy event)
+OFFLOADED = "_memstudy_offloaded"  # attribute on a host copy: (compute device, copy event, index)
+WHICH = ("all", "boundaries")
 
 
 @dataclass
@@ -52,26 +68,49 @@ class Options:
     pin_memory: bool = field(default=True, metadata={
         "help": "page-locked host buffers: asynchronous copies that overlap with compute; "
                 "false uses pageable memory and synchronous copies"})
+    prefetch: int = field(default=0, metadata={
+        "help": "backward brings copies back ahead of use on a side stream, at most this many "
+                "in flight (0: each copy is made when autograd asks for it)"})
+    which: str = field(default="all", metadata={
+        "choices": WHICH,
+        "help": "all: every saved tensor above min_bytes; boundaries: only the tensors "
+                "checkpoint / tile keep between regions"})
 
 
 class Offloader:
     """The pack / unpack pair. `compute` is where tensors are computed; `host` where they wait."""
 
     def __init__(self, compute: torch.device, host: torch.device = torch.device("cpu"),
-                 min_bytes: int = 64 * 1024, pin_memory: bool = False):
+                 min_bytes: int = 64 * 1024, pin_memory: bool = False, prefetch: int = 0,
+                 boundaries_only: bool = False):
         self.compute, self.host = _indexed(torch.device(compute)), torch.device(host)
         self.min_bytes, self.pin_memory = min_bytes, pin_memory
+        self.prefetch, self.boundaries_only = prefetch, boundaries_only
         cuda = self.compute.type == "cuda"
         self.stream = torch.cuda.Stream(self.compute) if cuda else None
         # id(device tensor) -> (weak ref to it, its version, host copy): one copy per tensor.
         self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         self.offloaded_bytes = 0  # host bytes copied so far (a running total, for tests/notes)
+        self._window = PrefetchWindow(self._start_copy_back, prefetch)
 
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, packed: Any) -> Any:
+        """A tensor, or an earlier transform's packed object (compress), whose tensors move."""
+        if self.boundaries_only and not is_boundary(packed):
+            return packed
+        if self._window.start_forward():
+            self._copies.clear()  # a new forward: copies of the last one are not reused
+        if isinstance(packed, torch.Tensor):
+            return self._offload(packed)
+        if hasattr(packed, "map_tensors"):
+            return packed.map_tensors(self._offload)
+        return packed
+
+    def _offload(self, t: torch.Tensor) -> torch.Tensor:
         if t.device != self.compute or t.nbytes < self.min_bytes or (t.is_leaf and t.requires_grad):
             return t
         known = self._copies.get(id(t))
         if known is not None and known[0]() is t and known[1] == t._version:
+            self._window.count_use(getattr(known[2], OFFLOADED)[2])
             return known[2]
         host = self._copy_to_host(t)
         key = id(t)
@@ -94,20 +133,117 @@ class Offloader:
                 event = torch.cuda.Event()
                 event.record(self.stream)
             t.record_stream(self.stream)  # keep t's memory until the side-stream copy has read it
-        setattr(host, OFFLOADED, (self.compute, event))
+        setattr(host, OFFLOADED, (self.compute, event, self._window.add(host)))
         self.offloaded_bytes += host.nbytes
         return host
 
-    def unpack(self, packed: Any) -> torch.Tensor:
-        info = getattr(packed, OFFLOADED, None)
+    def unpack(self, packed: Any) -> Any:
+        if isinstance(packed, torch.Tensor):
+            return self._restore(packed)
+        if hasattr(packed, "map_tensors"):
+            return packed.map_tensors(self._restore)
+        return packed
+
+    def _restore(self, host: torch.Tensor) -> torch.Tensor:
+        info = getattr(host, OFFLOADED, None)
         if info is None:
-            return packed  # never offloaded
-        device, event = info
+            return host  # never offloaded
+        device, event, index = info
+        ready = self._window.take(index)
+        if ready is None:
+            restored = self._copy_back(host, device, event)
+        else:
+            restored, copied = ready
+            if copied is not None:
+                stream = torch.cuda.current_stream(device)
+                stream.wait_event(copied)
+                restored.record_stream(stream)  # used here: not freed for the side stream early
+        self._window.advance(index)
+        return restored
+
+    def _copy_back(self, host: torch.Tensor, device: torch.device, event: Any) -> torch.Tensor:
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
-        if device == packed.device:
-            return packed.clone()  # CPU tests: a fresh tensor, as a real copy back would be
-        return packed.to(device, non_blocking=self.pin_memory)
+        if device == host.device:
+            return host.clone()  # CPU tests: a fresh tensor, as a real copy back would be
+        return host.to(device, non_blocking=self.pin_memory)
+
+    def _start_copy_back(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A prefetch: the copy back issued on the side stream (ordered after the copy out)."""
+        device = getattr(host, OFFLOADED)[0]
+        if self.stream is None:
+            return self._copy_back(host, device, None), None
+        with torch.cuda.stream(self.stream):
+            restored = host.to(device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        return restored, copied
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self._window.stats
+
+
+class PrefetchWindow:
+    """Which host copies to bring back ahead of use, and how many may be in flight.
+
+    Copies are numbered in pack order within one forward; backward unpacks them roughly in
+    reverse. After copy i is unpacked, the copies below i not yet brought back are started,
+    highest first, while fewer than `limit` are in flight (started and still awaiting a use).
+    """
+
+    def __init__(self, start_copy, limit: int):
+        self.start_copy, self.limit = start_copy, limit
+        self._sequence: list[weakref.ref] = []  # host copies of this forward, in pack order
+        self._uses: list[int] = []  # how many saved tensors share each copy
+        self._ready: dict[int, list] = {}  # index -> [device tensor, copy event, uses left]
+        self._cursor = -1  # the next index to prefetch, counting down
+        self._backward = False  # an unpack happened since the last pack
+        self.stats = {"prefetched": 0, "on_demand": 0, "max_in_flight": 0}
+
+    def start_forward(self) -> bool:
+        """A pack after backward began: a new forward numbers its copies from 0 (True)."""
+        if not self._backward:
+            return False
+        self._sequence, self._uses, self._ready = [], [], {}
+        self._cursor, self._backward = -1, False
+        return True
+
+    def add(self, host: torch.Tensor) -> int:
+        index = len(self._sequence)
+        # a copy autograd frees unused (its node never runs) leaves the window
+        self._sequence.append(weakref.ref(host, lambda _r, i=index: self._ready.pop(i, None)))
+        self._uses.append(1)
+        return index
+
+    def count_use(self, index: int) -> None:
+        if index < len(self._uses):
+            self._uses[index] += 1
+
+    def take(self, index: int) -> tuple[torch.Tensor, Any] | None:
+        """The prefetched copy of `index` (and its event), or None: copy it now."""
+        self._backward = True
+        entry = self._ready.get(index)
+        if entry is None:
+            self.stats["on_demand"] += 1
+            return None
+        entry[2] -= 1
+        if entry[2] <= 0:
+            del self._ready[index]
+        self.stats["prefetched"] += 1
+        return entry[0], entry[1]
+
+    def advance(self, index: int) -> None:
+        """After unpacking `index`: start the copies below it, up to `limit` in flight."""
+        if self.limit <= 0 or index >= len(self._sequence):
+            return
+        self._cursor = index - 1 if self._cursor < 0 else min(self._cursor, index - 1)
+        while len(self._ready) < self.limit and self._cursor >= 0:
+            i, self._cursor = self._cursor, self._cursor - 1
+            host = self._sequence[i]()
+            if host is not None and i not in self._ready:
+                self._ready[i] = [*self.start_copy(host), self._uses[i]]
+        self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(self._ready))
 
 
 def _indexed(device: torch.device) -> torch.device:
@@ -124,12 +260,29 @@ def check(opts: Options, plan: Plan) -> None:
                           "set train.device = 'cuda' or drop offload")
     if opts.min_bytes < 0:
         raise ConfigError(f"offload: min_bytes={opts.min_bytes} must be >= 0")
+    if opts.prefetch < 0:
+        raise ConfigError(f"offload: prefetch={opts.prefetch} must be >= 0 (0: no prefetch)")
+    if opts.prefetch and not opts.pin_memory:
+        raise ConfigError("offload: prefetch needs pin_memory=true (copies from pageable memory "
+                          "are synchronous, so nothing would overlap); set "
+                          "offload:pin_memory=true or prefetch=0")
+    if opts.which == "boundaries" and not (plan.has("checkpoint") or plan.has("tile")):
+        raise ConfigError("offload: which=boundaries offloads only what checkpoint / tile keep "
+                          "between regions, and neither is in techniques; add checkpoint (or "
+                          "tile) or use offload:which=all")
 
 
 def apply(opts: Options, build: Build) -> None:
-    offloader = Offloader(build.device, torch.device("cpu"), opts.min_bytes, opts.pin_memory)
-    build.runtime.set_saved_tensor_transform(offloader.pack, offloader.unpack, owner="offload")
+    offloader = Offloader(build.device, torch.device("cpu"), opts.min_bytes, opts.pin_memory,
+                          opts.prefetch, boundaries_only=opts.which == "boundaries")
+    build.runtime.add_saved_tensor_transform(offloader.pack, offloader.unpack, owner="offload")
     build.notes["offload_min_bytes"] = opts.min_bytes
+    build.runtime.series_sources.append(lambda: _prefetch_rows(offloader, build.runtime.rank))
+
+
+def _prefetch_rows(offloader: Offloader, rank: int) -> list[tuple[int, int, str, float]]:
+    """Run totals of backward's copies back (series step 0: they cover the whole run)."""
+    return [(rank, 0, f"offload_{name}", float(value)) for name, value in offloader.stats.items()]
 
 
 register(Technique("offload", Stage.ACTIVATION, Options,

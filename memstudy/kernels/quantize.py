@@ -1,0 +1,251 @@
+"""Activation compression kernels: per-group 8/4/2-bit quantisation and 1-bit sign masks.
+
+Quantisation (ActNN / GACT style), on a tensor read as one flat run of `n` elements in memory
+order and cut into groups of `group` consecutive elements (the last group may be short):
+
+    lo = min(group), scale = (max(group) - lo) / (2^bits - 1)           (float32, per group)
+    code = clamp(floor((x - lo) * (1 / scale) + u), 0, 2^bits - 1),     u ~ U[0, 1)
+    x' = lo + code * scale
+
+Stochastic rounding (u) makes x' an unbiased estimate of x (E[x'] = x) with |x - x'| < scale,
+one quantisation step; a constant group (scale = 0) is restored exactly. The codes of
+8 / bits consecutive elements are packed into one byte, element j of a byte in bits
+[j * bits, (j + 1) * bits). Storage: n * bits / 8 bytes of codes + 8 bytes per group.
+
+Sign masks: bit j of byte i is (x[8 i + j] > 0): what ReLU's backward needs of its output.
+
+Each kernel has a pure-PyTorch reference doing the same float32 arithmetic in the same order
+(`quantize_reference`, `dequantize_reference`, `pack_signs_reference`, `apply_signs_reference`).
+The kernels draw u with Triton's Philox stream `tl.rand(seed, i)` (i = flat element index);
+`uniform_noise(seed, n)` returns that same stream, so the reference given it must reproduce
+the kernel's codes exactly (tests, TRITON_INTERPRET=1 on the CPU). On a GPU the compiled
+kernels may contract `a * b + c` into one fused multiply-add, so a code can differ by one
+level where (x - lo) / scale + u falls within an ulp of an integer (GPU test: a rare event,
+bounded). Triton is imported lazily and the kernels are built per value of TRITON_INTERPRET
+(triton decides at decoration time whether a function is interpreted).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BITS = (8, 4, 2)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GROUP_SIZES = tuple(2 ** k for k in range(5, 13))  # 32 .. 4096: a Triton block, whole bytes
+ELEMENTS_PER_PROGRAM = 4096  # groups per program = this // group: enough work per program
+MASK_BYTES_PER_PROGRAM = 1024  # sign masks: 8192 elements per program
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def n_groups(n: int, group: int) -> int:
+    return -(-n // group)
+
+
+def code_bytes(n: int, bits: int, group: int) -> int:
+    """Bytes of packed codes for n elements: every group, the short last one too, is whole."""
+    return n_groups(n, group) * group * bits // 8
+
+
+# -- PyTorch references ----------------------------------------------------------------------
+def _grouped(flat: torch.Tensor, group: int, fill: float) -> torch.Tensor:
+    pad = n_groups(flat.numel(), group) * group - flat.numel()
+    return torch.nn.functional.pad(flat, (0, pad), value=fill).view(-1, group)
+
+
+def quantize_reference(flat: torch.Tensor, bits: int, group: int, noise: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8, lo float32, scale float32) of a 1-D tensor; `noise`: n uniforms in [0, 1)."""
+    x = flat.float()
+    grouped = _grouped(x, group, 0.0)
+    lo, hi = grouped.amin(dim=1), grouped.amax(dim=1)
+    tail = x.numel() % group
+    if tail:  # the short last group: its padding must not count
+        lo[-1], hi[-1] = x[-tail:].min(), x[-tail:].max()
+    levels = (1 << bits) - 1
+    scale = (hi - lo) / levels
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    t = (grouped - lo[:, None]) * inv[:, None]  # two roundings, as in the kernel (no FMA)
+    u = _grouped(noise.float(), group, 0.0)
+    codes = torch.floor(t + u).clamp_(0, levels).to(torch.int32)
+    codes.view(-1)[flat.numel():] = 0  # the short last group's padding packs as zeros
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=flat.device) * bits
+    packed = (codes.view(-1, per) << shifts).sum(dim=1).to(torch.uint8)
+    return packed, lo, scale
+
+
+def dequantize_reference(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, n: int,
+                         bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The n restored elements (1-D, `dtype`) of `quantize_reference`'s output."""
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+    levels = (codes.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)
+    levels = levels.view(-1, group).float()
+    x = lo[:, None] + levels * scale[:, None]
+    return x.reshape(-1)[:n].to(dtype)
+
+
+def pack_signs_reference(flat: torch.Tensor) -> torch.Tensor:
+    """One bit per element, (x > 0), eight to a byte (the last byte zero-padded)."""
+    positive = _grouped((flat > 0).to(torch.int32), 8, 0)
+    shifts = torch.arange(8, dtype=torch.int32, device=flat.device)
+    return (positive << shifts).sum(dim=1).to(torch.uint8)
+
+
+def apply_signs_reference(grad: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """grad where the packed sign bit is set, 0 elsewhere (ReLU's backward); 1-D."""
+    shifts = torch.arange(8, dtype=torch.int32, device=signs.device)
+    bits = ((signs.to(torch.int32)[:, None] >> shifts) & 1).reshape(-1)[:grad.numel()]
+    return torch.where(bits.bool(), grad, torch.zeros_like(grad))
+
+
+# -- Triton kernels --------------------------------------------------------------------------
+def _require_kernel_device(t: torch.Tensor, what: str) -> None:
+    if t.device.type != "cuda" and not interpreted():
+        raise ValueError(f"{what} runs a Triton kernel: pass a CUDA tensor, set "
+                         "TRITON_INTERPRET=1, or use the *_reference function")
+
+
+def quantize(flat: torch.Tensor, bits: int, group: int, seed: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel for `quantize_reference`, drawing its noise from `uniform_noise(seed)`."""
+    _require_kernel_device(flat, "quantize")
+    n = flat.numel()
+    groups = n_groups(n, group)
+    rows = max(1, ELEMENTS_PER_PROGRAM // group)
+    codes = torch.empty(code_bytes(n, bits, group), dtype=torch.uint8, device=flat.device)
+    lo = torch.empty(groups, dtype=torch.float32, device=flat.device)
+    scale = torch.empty(groups, dtype=torch.float32, device=flat.device)
+    kernels = _kernels(interpreted())
+    kernels["quantize"][(n_groups(groups, rows),)](
+        flat, codes, lo, scale, n, groups, seed, BITS=bits, GROUP=group, ROWS=rows)
+    return codes, lo, scale
+
+
+def dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, n: int, bits: int,
+               group: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel for `dequantize_reference`; writes into `out` (1-D, n) if given."""
+    _require_kernel_device(codes, "dequantize")
+    groups = lo.numel()
+    rows = max(1, ELEMENTS_PER_PROGRAM // group)
+    out = torch.empty(n, dtype=dtype, device=codes.device) if out is None else out
+    _kernels(interpreted())["dequantize"][(n_groups(groups, rows),)](
+        codes, lo, scale, out, n, groups, BITS=bits, GROUP=group, ROWS=rows)
+    return out
+
+
+def pack_signs(flat: torch.Tensor) -> torch.Tensor:
+    _require_kernel_device(flat, "pack_signs")
+    n = flat.numel()
+    signs = torch.empty(n_groups(n, 8), dtype=torch.uint8, device=flat.device)
+    grid = (n_groups(signs.numel(), MASK_BYTES_PER_PROGRAM),)
+    _kernels(interpreted())["pack_signs"][grid](flat, signs, n, BLOCK=MASK_BYTES_PER_PROGRAM)
+    return signs
+
+
+def apply_signs(grad: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    _require_kernel_device(grad, "apply_signs")
+    n = grad.numel()
+    out = torch.empty_like(grad)
+    grid = (n_groups(signs.numel(), MASK_BYTES_PER_PROGRAM),)
+    _kernels(interpreted())["apply_signs"][grid](grad, signs, out, n, BLOCK=MASK_BYTES_PER_PROGRAM)
+    return out
+
+
+def uniform_noise(n: int, seed: int, device: torch.device | str = "cuda") -> torch.Tensor:
+    """tl.rand(seed, i) for i in 0..n-1: the noise `quantize(..., seed)` rounds with."""
+    out = torch.empty(n, dtype=torch.float32, device=device)
+    _require_kernel_device(out, "uniform_noise")
+    _kernels(interpreted())["uniform"][(n_groups(n, 1024),)](out, n, seed, BLOCK=1024)
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool) -> dict:
+    """Build the kernels (interpreted or compiled, as TRITON_INTERPRET says now)."""
+    del interpret  # part of the cache key only: triton reads the variable itself at decoration
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quantize_kernel(x_ptr, codes_ptr, lo_ptr, scale_ptr, n, n_groups, seed,
+                        BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
+        PER: tl.constexpr = 8 // BITS
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        # [ROWS, GROUP // PER, PER] flat indices: group, byte within it, element within byte
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        byte = tl.arange(0, GROUP // PER)
+        j = tl.arange(0, PER)
+        idx = rows.to(tl.int64)[:, None, None] * GROUP + byte[None, :, None] * PER + j[None, None, :]
+        inside = idx < n
+        x = tl.load(x_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+        lo = tl.min(tl.min(tl.where(inside, x, float("inf")), axis=2), axis=1)
+        hi = tl.max(tl.max(tl.where(inside, x, float("-inf")), axis=2), axis=1)
+        row_ok = rows < n_groups
+        lo = tl.where(row_ok, lo, 0.0)  # programs past the last group: no infinities
+        hi = tl.where(row_ok, hi, 0.0)
+        scale = tl.math.div_rn(hi - lo, LEVELS * 1.0)
+        safe = tl.where(scale > 0, scale, 1.0)
+        inv = tl.where(scale > 0, tl.math.div_rn(1.0, safe), 0.0)
+        t = (x - lo[:, None, None]) * inv[:, None, None]
+        u = tl.rand(seed, idx)
+        code = tl.minimum(tl.maximum(tl.floor(t + u), 0.0), LEVELS * 1.0).to(tl.int32)
+        code = tl.where(inside, code, 0)  # the short last group's padding packs as zeros
+        packed = tl.sum(code << (j * BITS)[None, None, :], axis=2).to(tl.uint8)
+        tl.store(codes_ptr + rows.to(tl.int64)[:, None] * (GROUP // PER) + byte[None, :], packed,
+                 mask=row_ok[:, None])
+        tl.store(lo_ptr + rows, lo, mask=row_ok)
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+
+    @triton.jit
+    def dequantize_kernel(codes_ptr, lo_ptr, scale_ptr, out_ptr, n, n_groups,
+                          BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
+        PER: tl.constexpr = 8 // BITS
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        # [ROWS, GROUP // PER, PER] flat indices: group, byte within it, element within byte
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        byte = tl.arange(0, GROUP // PER)
+        j = tl.arange(0, PER)
+        idx = rows.to(tl.int64)[:, None, None] * GROUP + byte[None, :, None] * PER + j[None, None, :]
+        row_ok = rows < n_groups
+        packed = tl.load(codes_ptr + rows.to(tl.int64)[:, None] * (GROUP // PER) + byte[None, :],
+                         mask=row_ok[:, None], other=0).to(tl.int32)
+        level = (packed[:, :, None] >> (j * BITS)[None, None, :]) & LEVELS
+        lo = tl.load(lo_ptr + rows, mask=row_ok, other=0.0)
+        scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+        x = lo[:, None, None] + level.to(tl.float32) * scale[:, None, None]
+        tl.store(out_ptr + idx, x.to(out_ptr.dtype.element_ty), mask=idx < n)
+
+    @triton.jit
+    def pack_signs_kernel(x_ptr, signs_ptr, n, BLOCK: tl.constexpr):
+        byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        j = tl.arange(0, 8)
+        idx = byte[:, None] * 8 + j[None, :]
+        x = tl.load(x_ptr + idx, mask=idx < n, other=0.0)
+        bits = (x > 0).to(tl.int32) << j[None, :]
+        tl.store(signs_ptr + byte, tl.sum(bits, axis=1).to(tl.uint8), mask=byte * 8 < n)
+
+    @triton.jit
+    def apply_signs_kernel(grad_ptr, signs_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        j = tl.arange(0, 8)
+        idx = byte[:, None] * 8 + j[None, :]
+        inside = idx < n
+        signs = tl.load(signs_ptr + byte, mask=byte * 8 < n, other=0).to(tl.int32)
+        keep = ((signs[:, None] >> j[None, :]) & 1) != 0
+        grad = tl.load(grad_ptr + idx, mask=inside, other=0.0)
+        tl.store(out_ptr + idx, tl.where(keep, grad, 0.0).to(grad.dtype), mask=inside)
+
+    @triton.jit
+    def uniform_kernel(out_ptr, n, seed, BLOCK: tl.constexpr):
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + idx, tl.rand(seed, idx), mask=idx < n)
+
+    return {"quantize": quantize_kernel, "dequantize": dequantize_kernel,
+            "pack_signs": pack_signs_kernel, "apply_signs": apply_signs_kernel,
+            "uniform": uniform_kernel}
