@@ -5,7 +5,8 @@ added later (`image_size: int | str`, `budget: ByteSize | None`) is checked with
 - bool accepts only true / false (not "yes", not 1); int accepts integers but not booleans;
   float accepts integers too and stores them as floats (TOML `lr = 1`); str only strings;
 - `X | Y` accepts what either accepts (in that order, so `int | float` keeps an int an int);
-  `None` in a union means "unset"; `list[T]` a list of T; `Literal[...]` one of its values.
+  `None` in a union means "unset"; `list[T]` a list of T; `dict[K, V]` a table;
+  `Literal[...]` one of its values.
 Ranges and cross-field rules are each config section's own `check`; this module only makes
 sure that those checks compare values of the declared type (a string never reaches `lr > 0`).
 Torch-free: `import memstudy.config` must stay cheap (the grid parent, reports).
@@ -62,6 +63,8 @@ def describe(hint: Any) -> str:
     if origin is list:
         inner = describe(args[0]) if args else "values"
         return f"a list of {_plural(inner)}"
+    if origin is dict:
+        return "a table of settings"
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if hint in _NAMES:
@@ -86,6 +89,12 @@ def _match(hint: Any, value: Any) -> tuple[bool, Any]:
             return False, value
         items = [_match(args[0], v) if args else (True, v) for v in value]
         return all(ok for ok, _ in items), [v for _, v in items]
+    if origin is dict:
+        if not isinstance(value, dict):
+            return False, value
+        items = {k: _match(args[1], v) if args else (True, v) for k, v in value.items()}
+        keys_ok = all(_match(args[0], k)[0] for k in value) if args else True
+        return keys_ok and all(ok for ok, _ in items.values()), {k: v for k, (_, v) in items.items()}
     if hint is type(None):
         return value is None, value
     if hint is bool:

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memstudy.bytesize import ByteSize
 from memstudy.config import RunConfig, from_dict, read_toml, split_techniques
 from memstudy.errors import ConfigError
 from memstudy.runner import resolved, run_name
+from memstudy.typecheck import check_fields
 
 SPEC_KEYS = {"name", "techniques", "product", "image_sizes", "batch_sizes", "seeds", "world_sizes",
              "epochs", "steps", "data", "budget", "timeout_s", "base"}
@@ -27,7 +29,7 @@ class GridSpec:
     epochs: int | None = None
     steps: int | None = None
     data: str | None = None  # 'synthetic' or a folder of radiographs
-    budget: str | None = None
+    budget: ByteSize | None = None
     timeout_s: float | None = None
     base: dict[str, Any] = field(default_factory=dict)  # RunConfig settings shared by all cells
 
@@ -73,6 +75,7 @@ def spec_from_dict(raw: dict[str, Any], default_name: str = "grid") -> GridSpec:
             setattr(spec, key, _list(raw, key, int))
             if not getattr(spec, key):
                 raise ConfigError(f"grid {key} is empty; list at least one value")
+    check_fields(spec, "grid ")  # epochs, steps, data, budget, timeout_s, base: declared types
     if any(ws < 1 for ws in spec.world_sizes if ws is not None):
         raise ConfigError(f"grid world_sizes must be >= 1 (got {spec.world_sizes})")
     if spec.epochs is not None and spec.steps is not None:
