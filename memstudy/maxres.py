@@ -1,12 +1,16 @@
 """Largest square image that trains under a memory budget: `memstudy maxres`.
 
+Any side, not only multiples of 32 (the model pads its input; see --step and --max-size).
+
 For each technique set: first a prediction, then a search, reported side by side.
 - Prediction: train at 2-3 small sizes, fit peak memory = a + b * pixels by least squares
   (parameters, gradients and optimizer state are the constant a; activations grow with the
   pixels), and solve a + b * pixels = budget; floored to the 64 px grid.
-- Search: probes on the 64 px grid, each a real run of `max_steps` steps (forward, backward
-  and optimizer step) under the budget, in its own process. It starts at the prediction,
-  strides away from it (64, 128, 256 px ...) until the outcome flips, then bisects. A probe
+- Search: probes on a grid of `--step` px (default 64; any step, e.g. 1 or 4, is allowed:
+  sizes need not be multiples of 32, the model pads them) plus `--max-size` itself, each a
+  real run of `max_steps` steps (forward, backward and optimizer step) under the budget, in
+  its own process. It starts at the prediction, strides away from it (1, 2, 4 ... grid
+  steps) until the outcome flips, then bisects. A probe
   that fails with anything but out-of-memory stops the search with that error: a size is
   never called "does not fit" because of an unrelated failure.
 Peak memory is what the budget caps (memstudy.report.data.absolute_phase_peaks): on CUDA
@@ -16,6 +20,7 @@ config hash is already recorded is read back, not rerun. Results go to the `maxr
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import json
 import math
@@ -138,35 +143,42 @@ def predict(probes: list[Probe], limit: int) -> tuple[str, tuple[float, float], 
     return best[1], best[2], best[3]
 
 
+def size_grid(lo: int, hi: int, step: int = GRID_PX) -> list[int]:
+    """The sizes a search may probe: multiples of `step` in [lo, hi], and both ends themselves
+    (so --max-size 4188 probes 4188, not only 4160)."""
+    first = -(-lo // step) * step
+    return sorted({lo, hi, *range(first, hi + 1, step)})
+
+
 def search(fits: Callable[[int], bool], start: int, lo: int = MIN_PX, hi: int = 8192,
            step: int = GRID_PX) -> int | None:
-    """Largest size on the `step` grid in [lo, hi] for which fits(size) holds (monotone)."""
-    hi = hi // step * step
-    s = min(max(start // step * step, lo), hi)
-    if fits(s):  # stride up until a size fails
-        ok, stride = s, step
+    """Largest size of `size_grid(lo, hi, step)` for which fits(size) holds (monotone)."""
+    grid = size_grid(lo, hi, step)
+    i = max(bisect.bisect_right(grid, start) - 1, 0)  # the grid size at or below start
+    if fits(grid[i]):  # stride up until a size fails
+        ok, stride = i, 1
         while True:
-            n = min(ok + stride, hi)
+            n = min(ok + stride, len(grid) - 1)
             if n <= ok:
-                return ok
-            if not fits(n):
+                return grid[ok]
+            if not fits(grid[n]):
                 fail = n
                 break
             ok, stride = n, stride * 2
     else:  # stride down until a size fits
-        fail, stride = s, step
+        fail, stride = i, 1
         while True:
-            n = max(fail - stride, lo)
+            n = max(fail - stride, 0)
             if n >= fail:
                 return None
-            if fits(n):
+            if fits(grid[n]):
                 ok = n
                 break
             fail, stride = n, stride * 2
-    while fail - ok > step:
-        mid = (ok + fail) // 2 // step * step
-        ok, fail = (mid, fail) if fits(mid) else (ok, mid)
-    return ok
+    while fail - ok > 1:
+        mid = (ok + fail) // 2
+        ok, fail = (mid, fail) if fits(grid[mid]) else (ok, mid)
+    return grid[ok]
 
 
 def probe_config(template: RunConfig, techniques: list[str], size: int) -> RunConfig:
@@ -233,9 +245,10 @@ def read_probe(db: ResultsDB, config_hash: str, size: int) -> Probe:
 def maxres(template: RunConfig, techniques: list[str], db_path: str | Path,
            fit_sizes: list[int], max_size: int = 8192, isolate: bool = True,
            timeout_s: float | None = None,
-           progress: Callable[[str], None] | None = None) -> MaxresResult:
+           progress: Callable[[str], None] | None = None, step: int = GRID_PX) -> MaxresResult:
     """Predict, then search, the largest trainable size of one technique set."""
     progress = progress or (lambda _msg: None)
+    check_search_range(max_size, step)
     template = prepare_template(template)
     limit = budget_bytes(template.budget)
     if limit is None:
@@ -250,12 +263,19 @@ def maxres(template: RunConfig, techniques: list[str], db_path: str | Path,
             result.fit_phase, result.fit, result.predicted_px = predict(usable, limit)
         start = result.predicted_px or max([p.size for p in usable] or [MIN_PX])
         progress(f"  {result.name}: predicted {result.predicted_px} px; searching from {start} px")
-        result.max_size = max_size // GRID_PX * GRID_PX
-        result.found_px = search(prober.fits, start, MIN_PX, max_size)
+        result.max_size = max_size  # a probed size itself, multiple of the step or not
+        result.found_px = search(prober.fits, start, MIN_PX, max_size, step)
     except ProbeError as exc:
         result.error = str(exc)
     result.probes = prober.probes
     return result
+
+
+def check_search_range(max_size: int, step: int) -> None:
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError(f"maxres --step must be a whole number of px >= 1 (got {step!r})")
+    if not isinstance(max_size, int) or max_size < MIN_PX:
+        raise ConfigError(f"maxres --max-size must be >= {MIN_PX} px (got {max_size!r})")
 
 
 def config_key(template: RunConfig, techniques: list[str]) -> str:
@@ -292,13 +312,15 @@ def store_result(db_path: str | Path, template: RunConfig, result: MaxresResult)
 def search_all(template: RunConfig, technique_sets: list[list[str]], db_path: str | Path,
                fit_sizes: list[int], max_size: int = 8192, isolate: bool = True,
                timeout_s: float | None = None,
-               progress: Callable[[str], None] | None = None) -> list[MaxresResult]:
+               progress: Callable[[str], None] | None = None,
+               step: int = GRID_PX) -> list[MaxresResult]:
+    check_search_range(max_size, step)
     results = []
     for techniques in technique_sets:
         if progress:
             progress(f"maxres {run_name(probe_config(template, techniques, 0))} under {template.budget}")
         result = maxres(template, techniques, db_path, fit_sizes, max_size, isolate, timeout_s,
-                        progress)
+                        progress, step)
         store_result(db_path, template, result)
         results.append(result)
     return results

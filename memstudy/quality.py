@@ -9,6 +9,7 @@ import torch
 from pytorch_msssim import ms_ssim, ssim
 
 from memstudy.errors import ConfigError
+from memstudy.sizes import size_hw
 
 WIN_SIZE = 11  # pytorch-msssim's default Gaussian window
 MSSSIM_WEIGHTS = (0.0448, 0.2856, 0.3001, 0.2363, 0.1333)  # Wang et al. 2003
@@ -25,13 +26,19 @@ def min_image_size(scales: int) -> int:
     return WIN_SIZE if scales == 1 else (WIN_SIZE - 1) * 2 ** 4 + 1
 
 
-def check_image_size(size: int, scales: int) -> None:
+def check_image_size(size, scales: int, setting: str = "train.image_size") -> None:
+    """Refuse a size whose smaller side is below the loss's minimum. `size` is a canonical size
+    (memstudy.sizes) or a (height, width) pair; native sizes are checked per image, when read."""
+    hw = size if isinstance(size, tuple) else size_hw(size)
+    if hw is None:
+        return
     need = min_image_size(scales)
-    if size < need:
+    if min(hw) < need:
         ok = -(-need // 32) * 32
-        raise ConfigError(f"train.image_size {size} is too small for MS-SSIM with {scales} scales "
-                          f"(window {WIN_SIZE}): the minimum is {need} px; use train.image_size "
-                          f">= {ok} or fewer train.msssim_scales")
+        shown = hw[0] if hw[0] == hw[1] else f"{hw[0]}x{hw[1]}"
+        raise ConfigError(f"{setting} {shown} is too small for MS-SSIM with {scales} scales "
+                          f"(window {WIN_SIZE}): the minimum is {need} px per side; use "
+                          f"{setting} >= {ok} on each side or fewer train.msssim_scales")
 
 
 class MSSSIMLoss(torch.nn.Module):

@@ -29,6 +29,11 @@ _CV2_SUFFIXES = (".png", ".tif", ".tiff")
 _SUPPORTED_TEXT = ".png, .tif, .tiff, .dcm"
 
 
+RGB_NOTE = "colour converted to one grey channel (luma 0.299 R + 0.587 G + 0.114 B)"
+MONOCHROME1_NOTE = "MONOCHROME1 inverted (so that higher value = more attenuation)"
+_COLOUR_DICOM = ("RGB", "YBR_FULL", "YBR_FULL_422", "YBR_RCT", "YBR_ICT")  # pydicom gives RGB
+
+
 class ImageError(ValueError):
     """An image file that cannot be used; the message names the file and the reason."""
 
@@ -52,7 +57,7 @@ def _is_supported(path: Path) -> bool:
     return path.suffix.lower() in SUPPORTED_SUFFIXES or is_dicom(path)
 
 
-def _read_cv2(path: Path) -> np.ndarray:
+def _read_cv2(path: Path, notes: list[str]) -> np.ndarray:
     image = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
     if image is None:
         raise ImageError(f"{path}: cannot decode image (corrupt or truncated file)")
@@ -61,6 +66,8 @@ def _read_cv2(path: Path) -> np.ndarray:
         if image.shape[2] not in codes:
             raise ImageError(f"{path}: unsupported image with {image.shape[2]} channels")
         code = codes[image.shape[2]]
+        if code is not None:
+            notes.append(RGB_NOTE)
         image = image[:, :, 0] if code is None else cv2.cvtColor(image, code)
     if image.dtype == np.uint8:
         return image.astype(np.float32) / np.float32(255)
@@ -81,7 +88,7 @@ def _stretch(path: Path, image: np.ndarray) -> np.ndarray:
     return ((image - np.float32(low)) / np.float32(high - low)).astype(np.float32)
 
 
-def _read_dicom(path: Path) -> np.ndarray:
+def _read_dicom(path: Path, notes: list[str]) -> np.ndarray:
     import pydicom  # imported here: only DICOM users pay for it
 
     try:
@@ -93,24 +100,57 @@ def _read_dicom(path: Path) -> np.ndarray:
     frames = int(ds.get("NumberOfFrames", 1) or 1)
     if frames > 1:
         raise ImageError(f"{path}: multi-frame DICOM ({frames} frames); export one frame per file")
+    _check_decoder(path, ds)
     try:
         pixels = ds.pixel_array.astype(np.float32)
-    except Exception as exc:  # noqa: BLE001 - missing decoder plugins, truncated data, ...
+    except Exception as exc:  # noqa: BLE001 - truncated data, bad lengths, ...
         raise ImageError(f"{path}: cannot decode DICOM pixel data ({exc})") from exc
     interpretation = str(ds.get("PhotometricInterpretation", "MONOCHROME2"))
-    if pixels.ndim == 3 and pixels.shape[2] == 3:
+    if pixels.ndim == 3 and pixels.shape[2] == 3 and interpretation in _COLOUR_DICOM:
         pixels = cv2.cvtColor(pixels, cv2.COLOR_RGB2GRAY)
+        notes.append(RGB_NOTE)
     elif interpretation not in ("MONOCHROME1", "MONOCHROME2") or pixels.ndim != 2:
         raise ImageError(f"{path}: unsupported DICOM image ({interpretation}, "
-                         f"shape {pixels.shape})")
+                         f"shape {pixels.shape}); supported: MONOCHROME1, MONOCHROME2, RGB")
     slope = float(ds.get("RescaleSlope", 1) or 1)  # `or`: present but empty means the default
     intercept = float(ds.get("RescaleIntercept", 0) or 0)
     image = _stretch(path, pixels * np.float32(slope) + np.float32(intercept))
-    return 1 - image if interpretation == "MONOCHROME1" else image
+    if interpretation == "MONOCHROME1":
+        notes.append(MONOCHROME1_NOTE)
+        return 1 - image
+    return image
 
 
-def load_image(path: str | Path) -> np.ndarray:
-    """One image as a 2-D float32 array in [0, 1]; raises ImageError naming the file."""
+def _check_decoder(path: Path, ds) -> None:
+    """A compressed transfer syntax with no installed decoder: name the packages to install
+    (pydicom's own list of plugins and their requirements), not a bare pydicom traceback."""
+    meta = getattr(ds, "file_meta", None)
+    syntax = getattr(meta, "TransferSyntaxUID", None) if meta is not None else None
+    if syntax is None or not syntax.is_compressed:
+        return
+    from pydicom.pixels import get_decoder
+
+    try:
+        decoder = get_decoder(syntax)
+    except NotImplementedError:  # pydicom has no decoder for this syntax at all
+        raise ImageError(f"{path}: pixel data compressed as {syntax.name} ({syntax}), which "
+                         "pydicom cannot decode with any plugin; convert the file to an "
+                         "uncompressed transfer syntax") from None
+    if decoder.is_available:
+        return
+    needs = "; ".join(decoder.missing_dependencies)
+    raise ImageError(f"{path}: pixel data compressed as {syntax.name} ({syntax}) and no installed "
+                     f"package decodes it; install one of the pydicom decoder plugins: {needs} "
+                     "(e.g. pip install pylibjpeg pylibjpeg-libjpeg pylibjpeg-openjpeg, or "
+                     "pip install python-gdcm)")
+
+
+def load_image(path: str | Path, notes: list[str] | None = None) -> np.ndarray:
+    """One image as a 2-D float32 array in [0, 1]; raises ImageError naming the file.
+
+    Conversions made on the way (colour to grey, MONOCHROME1 inverted) are appended to
+    `notes`, so that a run can record what was done to its data."""
+    notes = [] if notes is None else notes
     path = Path(path)
     if not path.is_file():
         raise ImageError(f"{path}: file not found")
@@ -118,9 +158,9 @@ def load_image(path: str | Path) -> np.ndarray:
         raise ImageError(f"{path}: empty file (0 bytes)")
     suffix = path.suffix.lower()
     if suffix in _CV2_SUFFIXES:
-        image = _read_cv2(path)
+        image = _read_cv2(path, notes)
     elif suffix == ".dcm" or is_dicom(path):
-        image = _read_dicom(path)
+        image = _read_dicom(path, notes)
     else:
         raise ImageError(f"{path}: unsupported file type '{suffix or path.name}'; "
                          f"supported: {_SUPPORTED_TEXT} (or DICOM files with the DICM marker)")

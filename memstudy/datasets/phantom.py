@@ -297,15 +297,42 @@ def _layers(size: int, seed: int, index: int) -> tuple[PhantomLayers, np.random.
     return PhantomLayers(_soft_tissue(anat, size), bone, vessels, anat.torso[5]), rng
 
 
-def phantom_layers(size: int, seed: int, index: int = 0) -> PhantomLayers:
+def _height_width(size) -> tuple[int, int]:
+    """An int side (square) or a (height, width) pair, each side >= MIN_SIZE."""
+    if isinstance(size, tuple) and len(size) == 2:
+        return _check_int("height", size[0], MIN_SIZE), _check_int("width", size[1], MIN_SIZE)
+    side = _check_int("size", size, MIN_SIZE)
+    return side, side
+
+
+def _centre_crop(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    top, left = (image.shape[0] - height) // 2, (image.shape[1] - width) // 2
+    return np.ascontiguousarray(image[top:top + height, left:left + width])
+
+
+def phantom_layers(size, seed: int, index: int = 0) -> PhantomLayers:
     """The noise-free line-integral layers of `make_phantom(size, seed, index)`."""
-    return _layers(size, seed, index)[0]
+    height, width = _height_width(size)
+    layers = _layers(max(height, width), seed, index)[0]
+    if height == width:
+        return layers
+    crop = lambda a: _centre_crop(a, height, width)  # noqa: E731
+    return PhantomLayers(crop(layers.soft), crop(layers.bone), crop(layers.vessels),
+                         layers.torso_peak)
 
 
-def make_phantom(size: int, seed: int, index: int = 0) -> np.ndarray:
-    """A synthetic radiograph, uint16 (size, size); higher value = more attenuation."""
-    layers, rng = _layers(size, seed, index)
+def make_phantom(size, seed: int, index: int = 0) -> np.ndarray:
+    """A synthetic radiograph, uint16; higher value = more attenuation.
+
+    `size` is a side (square) or (height, width). A rectangle is the centre of the square
+    phantom whose side is the longer one: the same anatomy at the same pixel scale and the
+    same detector noise per pixel as that square, cropped like a collimated exposure (so
+    squares are unchanged and GENERATOR_VERSION stays)."""
+    height, width = _height_width(size)
+    side = max(height, width)
+    layers, rng = _layers(side, seed, index)
     mu = layers.soft
     mu += layers.bone
     mu += layers.vessels
-    return _detect(mu, rng, size)
+    image = _detect(mu, rng, side)
+    return image if height == width else _centre_crop(image, height, width)

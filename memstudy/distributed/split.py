@@ -8,6 +8,11 @@ one half per process, exchanging features and gradients with torch.distributed s
 Every module here exposes the block protocol of ContrastUNet (`residual_stages`,
 `encoder_stages`, `decoder_blocks`, ...) for the blocks it holds, so activation techniques
 (checkpointing) still find the blocks after the split.
+
+Sizes that are not multiples of 32: `LocalSplitUNet` pads and crops exactly as
+`ContrastUNet.forward` does (reflect, bottom / right). The process split cannot: the decoder's
+process never sees the input, so it cannot know how much of its output is padding;
+`check_split_size` refuses such sizes by name before anything is built.
 """
 from __future__ import annotations
 
@@ -15,6 +20,21 @@ import torch
 from torch import nn
 
 from memstudy.distributed import p2p
+from memstudy.errors import ConfigError
+from memstudy.models.unet import STRIDE, pad_to_stride
+from memstudy.sizes import size_hw
+
+
+def check_split_size(plan, owner: str) -> None:
+    """Refuse a size the process split cannot crop back (see the module docstring)."""
+    size = plan.config.train.image_size
+    hw = size_hw(size)
+    if hw is None or hw[0] % STRIDE or hw[1] % STRIDE:
+        raise ConfigError(f"{owner} splits the network across two processes, and the decoder's "
+                          f"process cannot crop the padding that a train.image_size of {size!r} "
+                          f"needs: use a train.image_size whose sides are multiples of {STRIDE}"
+                          + (", or mp:mode=local (one process, pads and crops)"
+                             if owner == "mp" else ""))
 
 
 class _Protocol:
@@ -81,11 +101,12 @@ class LocalSplitUNet(_Protocol, nn.Module):
         self.head.to(second)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        features = self.encoder(x.to(self.first))
+        height, width = x.shape[-2:]
+        features = self.encoder(pad_to_stride(x.to(self.first)))  # as ContrastUNet.forward
         # the skip connections cross devices; .to() is differentiable, so their gradients
         # travel back to the encoder's GPU in backward
         features = [f.to(self.second, non_blocking=True) for f in features]
-        return self.head(self.decoder(features))
+        return self.head(self.decoder(features))[..., :height, :width]
 
 
 class P2PHalf(_Protocol, nn.Module):

@@ -11,6 +11,7 @@ from memstudy.bytesize import ByteSize
 from memstudy.config import RunConfig, from_dict, read_toml, split_techniques
 from memstudy.errors import ConfigError
 from memstudy.runner import resolved, run_name
+from memstudy.sizes import parse_size
 from memstudy.typecheck import check_fields
 
 SPEC_KEYS = {"name", "techniques", "product", "image_sizes", "batch_sizes", "seeds", "world_sizes",
@@ -22,7 +23,7 @@ CRASHED = "crashed"
 class GridSpec:
     name: str = "grid"
     technique_sets: list[list[str]] = field(default_factory=lambda: [[]])
-    image_sizes: list[int] = field(default_factory=lambda: [256])
+    image_sizes: list[int | str] = field(default_factory=lambda: [256])  # canonical sizes
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     seeds: list[int] = field(default_factory=lambda: [0])
     world_sizes: list[int | None] = field(default_factory=lambda: [None])  # None: [base]'s
@@ -72,10 +73,13 @@ def spec_from_dict(raw: dict[str, Any], default_name: str = "grid") -> GridSpec:
                     base=raw.get("base", {}))
     for key in ("image_sizes", "batch_sizes", "seeds", "world_sizes"):
         if key in raw:
-            setattr(spec, key, _list(raw, key, int))
+            # sizes: 4188, "4188x3500" or "native", as train.image_size (memstudy/sizes.py)
+            kind = (int, str) if key == "image_sizes" else int
+            setattr(spec, key, _list(raw, key, kind))
             if not getattr(spec, key):
                 raise ConfigError(f"grid {key} is empty; list at least one value")
     check_fields(spec, "grid ")  # epochs, steps, data, budget, timeout_s, base: declared types
+    spec.image_sizes = [parse_size(s, "grid image_sizes entry") for s in spec.image_sizes]
     if any(ws < 1 for ws in spec.world_sizes if ws is not None):
         raise ConfigError(f"grid world_sizes must be >= 1 (got {spec.world_sizes})")
     if spec.epochs is not None and spec.steps is not None:
@@ -85,10 +89,11 @@ def spec_from_dict(raw: dict[str, Any], default_name: str = "grid") -> GridSpec:
     return spec
 
 
-def _list(raw: dict[str, Any], key: str, kind: type) -> list:
+def _list(raw: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> list:
     value = raw.get(key, [])
     if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
-        raise ConfigError(f"grid {key} must be a list of {kind.__name__} (got {value!r})")
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise ConfigError(f"grid {key} must be a list of {names} (got {value!r})")
     return value
 
 
@@ -142,7 +147,7 @@ def gpus_needed(config: RunConfig) -> int:
     return make_plan(copy.deepcopy(config)).gpus_needed()
 
 
-def cell_config(spec: GridSpec, techniques: list[str], size: int, batch: int, seed: int,
+def cell_config(spec: GridSpec, techniques: list[str], size: int | str, batch: int, seed: int,
                 world_size: int | None = None) -> RunConfig:
     cfg = from_dict(copy.deepcopy(spec.base))
     cfg.techniques = list(techniques)

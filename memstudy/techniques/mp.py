@@ -22,7 +22,8 @@ import torch
 
 from memstudy.distributed import context, p2p
 from memstudy.distributed.lr_schedule import SCHEDULERS, add_scheduler, total_steps
-from memstudy.distributed.split import DecoderHalf, EncoderHalf, LocalSplitUNet, P2PHalf
+from memstudy.distributed.split import (DecoderHalf, EncoderHalf, LocalSplitUNet, P2PHalf,
+                                        check_split_size)
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
@@ -45,6 +46,7 @@ def check(opts: Options, plan: Plan) -> None:
     if opts.mode == "local":
         _check_local(plan)
         return
+    check_split_size(plan, "mp")
     context.check_world(plan, "mp", exact=2)
     context.resolve_backend(opts.backend, plan.device, "mp", gloo_on_cuda=False)
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from memstudy.distributed import context, p2p
+from memstudy.distributed.split import check_split_size
 from memstudy.distributed.lr_schedule import SCHEDULERS, add_scheduler, total_steps
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
@@ -48,6 +49,7 @@ def check(opts: Options, plan: Plan) -> None:
     if b % opts.micro_batches:
         raise ConfigError(f"pipeline:micro_batches={opts.micro_batches} must divide "
                           f"train.batch_size {b}; change either")
+    check_split_size(plan, "pipeline")
     context.check_world(plan, "pipeline", exact=2)
     context.resolve_backend(opts.backend, plan.device, "pipeline", gloo_on_cuda=False)
     if opts.scheduler != "none":
