@@ -16,7 +16,8 @@ from memstudy.bytesize import mb
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file with [train], [data], [meter] tables and techniques")
-    p.add_argument("--size", type=int, help="square image size in px (train.image_size)")
+    p.add_argument("--size", help="train.image_size: 4188 (square), 4188x3500 (height x width) "
+                   "or native (folder data: each image at its own size)")
     p.add_argument("--batch-size", type=int, help="train.batch_size")
     p.add_argument("--epochs", type=int, help="train.epochs")
     p.add_argument("--steps", type=int, help="stop after this many optimizer steps (train.max_steps)")
@@ -158,7 +159,8 @@ def cmd_maxres(args: argparse.Namespace) -> int:
     sets = [split_techniques(s) for s in args.sets] if args.sets else [cfg.techniques]
     fit = [int(s) for s in args.fit_sizes.split(",")]
     results = search_all(cfg, sets, args.db, fit_sizes=fit, max_size=args.max_size,
-                         timeout_s=args.timeout, progress=None if args.quiet else eprint)
+                         timeout_s=args.timeout, progress=None if args.quiet else eprint,
+                         step=args.step)
     print(maxres_table(results))
     return 0 if all(r.error is None for r in results) else 1
 
@@ -201,7 +203,10 @@ def add_study_parsers(sub) -> None:
                         "default: the set given by -t, else original)")
     maxres.add_argument("--fit-sizes", default="256,384,512", help="sizes measured for the "
                         "prediction (2-3, px)")
-    maxres.add_argument("--max-size", type=int, default=8192, help="largest size probed (px)")
+    maxres.add_argument("--max-size", type=int, default=8192, help="largest size probed (px; "
+                        "probed itself even if not on the --step grid, e.g. 4188)")
+    maxres.add_argument("--step", type=int, default=64, help="search grid in px (any value, "
+                        "e.g. 4; sizes need not be multiples of 32)")
     maxres.add_argument("--timeout", type=float, help="per-probe timeout in seconds")
     maxres.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     maxres.set_defaults(func=cmd_maxres)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from memstudy.errors import ConfigError
+from memstudy.sizes import RESIZE_MODES, check_size_source, parse_size
 from memstudy.bytesize import ByteSize, parse_bytes
 from memstudy.typecheck import check_fields, field_types, typed_value
 
@@ -29,7 +30,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass
 class TrainConfig:
-    image_size: int = 256
+    image_size: int | str = 256  # 4188, "4188x3500" (height x width) or "native" (memstudy/sizes.py)
     batch_size: int = 1
     epochs: int = 1
     max_steps: int | None = None  # stop after this many optimizer steps (all epochs together)
@@ -45,7 +46,8 @@ class TrainConfig:
     validate: bool = True
 
     def check(self) -> None:
-        positive = ("image_size", "batch_size", "epochs", "measure_steps", "msssim_scales")
+        self.image_size = parse_size(self.image_size)  # canonical form: what is stored and hashed
+        positive = ("batch_size", "epochs", "measure_steps", "msssim_scales")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1 (got {getattr(self, name)})")
@@ -53,10 +55,6 @@ class TrainConfig:
             raise ConfigError(f"train.warmup_steps must be >= 0 (got {self.warmup_steps})")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"train.max_steps must be >= 1 or unset (got {self.max_steps})")
-        if self.image_size % 32:
-            lo, hi = self.image_size // 32 * 32, self.image_size // 32 * 32 + 32
-            raise ConfigError(f"train.image_size {self.image_size} is not a multiple of 32, which "
-                              f"the U-Net's five down-samplings need; use {lo or 32} or {hi}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"train.optimizer {self.optimizer!r} unknown; choose one of {OPTIMIZERS}")
         if self.device.split(":")[0] not in DEVICES:
@@ -91,6 +89,10 @@ class DataConfig:
     val_images: int = 12
     seed: int = 0  # phantom seed, or the seed of the folder's train / val split
     cache_dir: str | None = None  # keep generated items on disk here (.npy); else $MEMSTUDY_CACHE
+    # folder images whose shape differs from train.image_size: "none" refuses them (nothing is
+    # resampled unless asked), "stretch" resizes each axis (aspect ratio lost, as in the study),
+    # "cover" scales keeping the aspect ratio until the image covers the size, then centre-crops
+    resize: str = "none"
 
     def validate(self) -> None:
         if self.source not in SOURCES:
@@ -105,6 +107,8 @@ class DataConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < minimum:
                 raise ValueError(f"data.{name} must be an integer >= {minimum}, got {value!r}")
+        if self.resize not in RESIZE_MODES:
+            raise ValueError(f"data.resize must be one of {RESIZE_MODES}, got {self.resize!r}")
         if self.cache_dir is not None and not str(self.cache_dir):
             raise ValueError("data.cache_dir must be a directory path or unset")
 
@@ -132,6 +136,7 @@ class RunConfig:
             self.data.validate()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        check_size_source(self.train.image_size, self.data.source, self.data.resize)
         if self.budget is not None:
             try:
                 parse_bytes(self.budget, "budget")

@@ -11,6 +11,7 @@ import random
 import sys
 import time
 import traceback
+from collections import Counter
 from typing import Callable
 
 import numpy as np
@@ -19,12 +20,13 @@ import torch
 from memstudy import env as envinfo
 from memstudy.budget import apply_budget, budget_bytes
 from memstudy.config import RunConfig
-from memstudy.datasets import build_datasets
+from memstudy.datasets import build_datasets, describe_datasets
 from memstudy.distributed.context import rank_device
 from memstudy.distributed.records import gather_record
 from memstudy.errors import Diverged, PhaseFailure
 from memstudy.meters import PhaseRecorder
-from memstudy.meters.flops import model_flops_per_step
+from memstudy.meters.flops import model_flops_per_step, pixel_count
+from memstudy.quality import min_image_size
 from memstudy.store import ResultsDB, RunRecord
 from memstudy.techniques import canonical
 from memstudy.techniques.compose import build_pipeline, make_plan
@@ -53,7 +55,9 @@ def execute(config: RunConfig, db: ResultsDB | None,
     plan = make_plan(config)  # raises ConfigError: nothing recorded
     plan.device = rank_device(plan.device)  # distributed: each rank trains on its own GPU
     resolved(config)
-    train_set, val_set = build_datasets(config.data, config.train.image_size)  # raises on bad data
+    train_set, val_set = build_datasets(  # raises on bad data and refused sizes
+        config.data, config.train.image_size, config.train.batch_size,
+        min_image_size(config.train.msssim_scales))
     check_measurable(config, len(train_set))  # raises ConfigError: nothing recorded
     device = plan.device
     # before anything touches the GPU: the CUDA context is measured as it is created
@@ -61,6 +65,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
     record = RunRecord(config=config.to_dict(), config_hash=config.hash(), name=name, status="ok",
                        env=envinfo.describe(device), started_at=time.time(), label=config.label)
     record.env["seed"] = config.train.seed
+    record.env["data"] = describe_datasets(train_set, val_set)
     record.env.update(budget_facts)
     seed_everything(config.train.seed)
     state, recorder, build = TrainState(), None, None
@@ -85,7 +90,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
     finally:
         if recorder is not None:
             recorder.close()
-    _fill(record, recorder, state, config)
+    _fill(record, recorder, state, config, train_set.shapes)
     if build is not None:  # rows recorded by techniques (e.g. tri_accel's control steps)
         record.series = [*record.series, *(r for src in build.runtime.series_sources for r in src())]
     record = gather_record(record)  # distributed: rank 0 merges every rank's measurements
@@ -96,7 +101,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
 
 
 def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
-          config: RunConfig) -> None:
+          config: RunConfig, shapes: list[tuple[int, int]]) -> None:
     record.finished_at = time.time()
     record.epochs = state.epochs
     record.series = state.series
@@ -106,17 +111,24 @@ def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
     run = summary.setdefault("run", {})
     run["steps"] = state.step
     run["oom_retries"] = state.oom_retries
+    batch = config.train.batch_size
+    run.update(pixel_count(shapes).figures(batch))  # real pixels, and the padding's overhead
     if "step_time_s" in run:
-        pixels = config.train.batch_size * config.train.image_size ** 2
-        run["throughput_px_s"] = pixels / run["step_time_s"]
+        run["throughput_px_s"] = run["real_px_per_step"] / run["step_time_s"]  # real pixels only
         try:  # a derived figure: failing to count must not lose the run's own record
-            flops = model_flops_per_step(config.train.batch_size, config.train.image_size)
+            flops = _mean_flops(batch, shapes)
         except Exception as exc:  # noqa: BLE001 - kept in the record instead
             record.env["model_flops_error"] = _describe(exc)
         else:
             run["model_flops_per_step"] = flops
             run["model_tflops_s"] = flops / run["step_time_s"] / 1e12
     record.metrics = [(0, phase, k, v) for phase, figs in summary.items() for k, v in figs.items()]
+
+
+def _mean_flops(batch: int, shapes: list[tuple[int, int]]) -> float:
+    """Model FLOPs per step (padded size) averaged over the training images' shapes."""
+    counts = Counter((h if h == w else (h, w)) for h, w in shapes)
+    return sum(n * model_flops_per_step(batch, size) for size, n in counts.items()) / len(shapes)
 
 
 def _describe(exc: BaseException) -> str:

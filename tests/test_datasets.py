@@ -23,6 +23,9 @@ from memstudy.datasets import (
     resize_square,
 )
 from memstudy.datasets import dataset as dataset_module
+from memstudy.datasets import describe_datasets, resize_to
+from memstudy.datasets.folder import MONOCHROME1_NOTE, RGB_NOTE
+from memstudy.errors import ConfigError
 
 
 def _dilate(mask: np.ndarray, px: int) -> np.ndarray:
@@ -134,7 +137,8 @@ def test_enhance_is_resolution_independent():
 
 
 # ---------------------------------------------------------------- folder loading
-def _write_dicom(path, pixels: np.ndarray, photometric="MONOCHROME2", slope=1.0, intercept=0.0):
+def _write_dicom(path, pixels: np.ndarray, photometric="MONOCHROME2", slope=1.0, intercept=0.0,
+                 bits=12, syntax=None, pixel_data=None):
     from pydicom import dcmwrite
     from pydicom.dataset import Dataset, FileMetaDataset
     from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
@@ -142,17 +146,20 @@ def _write_dicom(path, pixels: np.ndarray, photometric="MONOCHROME2", slope=1.0,
     meta = FileMetaDataset()
     meta.MediaStorageSOPClassUID = SecondaryCaptureImageStorage
     meta.MediaStorageSOPInstanceUID = generate_uid()
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    meta.TransferSyntaxUID = syntax or ExplicitVRLittleEndian
     ds = Dataset()
     ds.file_meta = meta
     ds.SOPClassUID = meta.MediaStorageSOPClassUID
     ds.SOPInstanceUID = meta.MediaStorageSOPInstanceUID
     ds.Modality = "DX"
-    ds.Rows, ds.Columns = pixels.shape
-    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, photometric
-    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 12, 11, 0
+    ds.Rows, ds.Columns = pixels.shape[:2]
+    colour = pixels.ndim == 3
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = (3 if colour else 1), photometric
+    if colour:
+        ds.PlanarConfiguration = 0
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, bits, bits - 1, 0
     ds.RescaleSlope, ds.RescaleIntercept = slope, intercept
-    ds.PixelData = pixels.astype(np.uint16).tobytes()
+    ds.PixelData = pixel_data if pixel_data is not None else pixels.astype(np.uint16).tobytes()
     dcmwrite(path, ds, enforce_file_format=True)
 
 
@@ -234,12 +241,12 @@ def test_paired_layout_and_missing_partner(tmp_path):
 
 def test_folder_items_resized_and_targets(tmp_path):
     root = _folder(tmp_path / "paired", 3, paired=True)
-    train, val = build_datasets(DataConfig("folder", str(root), 2, 1, seed=0), 32)
+    train, val = build_datasets(DataConfig("folder", str(root), 2, 1, seed=0, resize="stretch"), 32)
     x, y = train[0]
     source = load_image(train.sources[0].pair.target)
     np.testing.assert_allclose(y[0].numpy(), resize_square(source, 32), atol=1e-4)
     plain = _folder(tmp_path / "plain", 3)
-    generated, _ = build_datasets(DataConfig("folder", str(plain), 2, 1), 32)
+    generated, _ = build_datasets(DataConfig("folder", str(plain), 2, 1, resize="stretch"), 32)
     expected = resize_square(enhance_contrast(load_image(generated.sources[0].pair.input)), 32)
     np.testing.assert_allclose(generated[0][1][0].numpy(), expected, atol=1e-4)
     assert x.shape == y.shape == (1, 32, 32)
@@ -247,12 +254,12 @@ def test_folder_items_resized_and_targets(tmp_path):
 
 def test_folder_split_is_seeded_and_disjoint(tmp_path):
     root = _folder(tmp_path, 8)
-    cfg = DataConfig("folder", str(root), train_images=5, val_images=3, seed=1)
+    cfg = DataConfig("folder", str(root), train_images=5, val_images=3, seed=1, resize="stretch")
     train, val = build_datasets(cfg, 32)
     again, _ = build_datasets(cfg, 32)
     assert train.names == again.names and len(train) == 5 and len(val) == 3
     assert sorted(train.names + val.names) == [f"img_{i:02d}" for i in range(8)]
-    other = {tuple(build_datasets(DataConfig("folder", str(root), 5, 3, seed=s), 32)[0].names)
+    other = {tuple(build_datasets(DataConfig("folder", str(root), 5, 3, seed=s, resize="stretch"), 32)[0].names)
              for s in range(2, 6)}
     assert len(other | {tuple(train.names)}) > 1
 
@@ -263,7 +270,7 @@ def test_too_few_images_and_corrupt_member_fail_at_build(tmp_path):
         build_datasets(DataConfig("folder", str(root), train_images=3, val_images=2), 32)
     (root / "img_02.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     with pytest.raises(ImageError, match="img_02.png"):
-        build_datasets(DataConfig("folder", str(root), train_images=3, val_images=1), 32)
+        build_datasets(DataConfig("folder", str(root), train_images=3, val_images=1, resize="stretch"), 32)
 
 
 # ---------------------------------------------------------------- config and datasets
@@ -304,3 +311,103 @@ def test_disk_cache_is_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(dataset_module, "make_phantom", fail)
     second = build_datasets(cfg, 64)[0][1]
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# ---------------------------------------------------------------- native-size real data
+def test_dicom_16_bit_rectangular_monochrome_and_rgb(tmp_path):
+    """16-bit DICOMs keep their own (rectangular) shape; MONOCHROME1 is inverted and RGB made
+    grey, and both conversions are reported."""
+    pixels = _ramp(np.uint16, 65535, (24, 40))
+    _write_dicom(tmp_path / "m2.dcm", pixels, bits=16)
+    _write_dicom(tmp_path / "m1.dcm", pixels, photometric="MONOCHROME1", bits=16)
+    rgb = np.dstack([pixels, pixels // 2, pixels // 4])
+    _write_dicom(tmp_path / "rgb.dcm", rgb, photometric="RGB", bits=16)
+    notes = {}
+    for name in ("m2", "m1", "rgb"):
+        notes[name] = []
+        image = load_image(tmp_path / f"{name}.dcm", notes[name])
+        assert image.shape == (24, 40) and image.dtype == np.float32
+        expected = {"m2": pixels / 65535, "m1": 1 - pixels / 65535,
+                    "rgb": pixels / 65535}[name]  # grey of (p, p/2, p/4) is linear in p
+        np.testing.assert_allclose(image, expected, atol=1e-4)
+    assert notes["m2"] == [] and notes["m1"] == [MONOCHROME1_NOTE] and notes["rgb"] == [RGB_NOTE]
+
+
+def test_tiff_16_bit_rectangular_keeps_its_shape(tmp_path):
+    pixels = _ramp(np.uint16, 65535, (30, 52))
+    assert cv2.imwrite(str(tmp_path / "r.tiff"), pixels)
+    image = load_image(tmp_path / "r.tiff")
+    assert image.shape == (30, 52)
+    np.testing.assert_allclose(image, pixels / 65535, atol=1e-6)
+
+
+def _missing_decoder_syntax():
+    from pydicom.pixels import get_decoder
+    from pydicom.uid import JPEGLosslessSV1, JPEGLSLossless, RLELossless
+
+    for uid in (JPEGLosslessSV1, JPEGLSLossless, RLELossless):
+        if not get_decoder(uid).is_available:
+            return uid
+    pytest.skip("every compressed transfer syntax tried has a decoder installed here")
+
+
+def test_dicom_without_decoder_names_file_and_package(tmp_path):
+    from pydicom.encaps import encapsulate
+
+    syntax = _missing_decoder_syntax()
+    frame = b"\xff\xd8" + bytes(62)  # never decoded: the missing decoder is found first
+    path = tmp_path / "compressed.dcm"
+    _write_dicom(path, np.zeros((16, 16), np.uint16), bits=16, syntax=syntax,
+                 pixel_data=encapsulate([frame]))
+    with pytest.raises(ImageError) as info:
+        load_image(path)
+    message = str(info.value)
+    assert "compressed.dcm" in message and syntax.name in message
+    assert "pylibjpeg" in message and "install" in message
+
+
+def test_folder_error_lists_every_unreadable_file(tmp_path):
+    root = _folder(tmp_path, 5)
+    (root / "img_01.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    (root / "img_03.png").write_bytes(b"")
+    (root / "img_04.png").write_bytes(np.random.default_rng(1).bytes(300))
+    with pytest.raises(ImageError) as info:
+        build_datasets(DataConfig("folder", str(root), train_images=3, val_images=2), "native")
+    message = str(info.value)
+    assert "3 of 5 images cannot be used" in message
+    for name in ("img_01.png", "img_03.png", "img_04.png"):
+        assert name in message
+    assert "img_00.png" not in message and "img_02.png" not in message
+
+
+def test_cover_keeps_aspect_ratio_and_stretch_does_not():
+    image = np.tile(np.linspace(0, 1, 200, dtype=np.float32), (100, 1))  # 100 x 200 ramp
+    covered = resize_to(image, (50, 50), "cover")  # scale 0.5 -> 50 x 100, centre 50 columns
+    np.testing.assert_allclose(covered, cv2.resize(image, (100, 50),
+                                                   interpolation=cv2.INTER_AREA)[:, 25:75])
+    stretched = resize_to(image, (50, 50), "stretch")
+    np.testing.assert_allclose(stretched, resize_square(image, 50))
+    assert covered.shape == stretched.shape == (50, 50)
+    assert covered[0, -1] - covered[0, 0] < 0.6 < stretched[0, -1] - stretched[0, 0]
+
+
+def test_rectangular_phantom_is_the_centre_of_the_square_one():
+    wide, tall = make_phantom((64, 96), 2, 1), make_phantom((96, 40), 2, 1)
+    square = make_phantom(96, 2, 1)
+    assert wide.shape == (64, 96) and tall.shape == (96, 40)
+    np.testing.assert_array_equal(wide, square[16:80])
+    np.testing.assert_array_equal(tall, square[:, 28:68])
+    train, _ = build_datasets(DataConfig(train_images=1, val_images=1), (64, 96))
+    assert train[0][0].shape == (1, 64, 96)
+
+
+def test_folder_size_mismatch_needs_a_resize_mode(tmp_path):
+    root = _folder(tmp_path, 3)  # 40 x 56 images
+    with pytest.raises(ConfigError, match=r"img_00 \(40x56\).*data\.resize = 'stretch'"):
+        build_datasets(DataConfig("folder", str(root), 2, 1), 40)
+    train, _ = build_datasets(DataConfig("folder", str(root), 2, 1), (40, 56))  # exact: fine
+    assert train[0][0].shape == (1, 40, 56)
+    covered, _ = build_datasets(DataConfig("folder", str(root), 2, 1, resize="cover"), 40)
+    assert covered[0][0].shape == (1, 40, 40)
+    assert describe_datasets(*build_datasets(DataConfig("folder", str(root), 2, 1,
+                                                        resize="stretch"), 32))["train_resampled"] == 2

@@ -5,8 +5,11 @@ from memstudy.datasets.dataset import (
     FileSource,
     PhantomSource,
     RadiographDataset,
+    as_hw,
     build_datasets,
+    describe_datasets,
     resize_square,
+    resize_to,
 )
 from memstudy.datasets.enhance import EnhanceParams, enhance_contrast
 from memstudy.datasets.folder import (
@@ -30,7 +33,9 @@ __all__ = [
     "PhantomLayers",
     "PhantomSource",
     "RadiographDataset",
+    "as_hw",
     "build_datasets",
+    "describe_datasets",
     "enhance_contrast",
     "list_images",
     "list_pairs",
@@ -38,4 +43,5 @@ __all__ = [
     "make_phantom",
     "phantom_layers",
     "resize_square",
+    "resize_to",
 ]
