@@ -6,10 +6,10 @@ from pathlib import Path
 import sys
 
 from memstudy.config import RunConfig, load_toml, set_value, split_techniques
-from memstudy.distributed.context import RANK_MAX, RANK_MEAN
 from memstudy.errors import ConfigError, MemstudyError
+from memstudy.phases import TRAIN_PHASES
 from memstudy.runner import eprint, execute
-from memstudy.store import ResultsDB, default_db_path
+from memstudy.store import RANK_MAX, RANK_MEAN, ResultsDB, default_db_path
 from memstudy.table_format import phase_table
 from memstudy.bytesize import mb
 
@@ -87,7 +87,7 @@ def summarize(rec) -> str:
     if world > 1:
         lines.append(f"per-rank maximum over {world} ranks (each rank's rows, and the mean as "
                      f"rank {RANK_MEAN}, are in the database)")
-    if any(p in metrics for p in ("forward", "backward", "step")):
+    if any(p in metrics for p in TRAIN_PHASES):
         lines.append(phase_table(metrics))
     run = metrics.get("run", {})
     if "step_time_s" in run:

@@ -24,7 +24,6 @@ import bisect
 import copy
 import json
 import math
-import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,39 +35,12 @@ from memstudy.errors import ConfigError
 from memstudy.grid import config_hash, run_isolated
 from memstudy.runner import execute, run_name
 from memstudy.report.data import TRAIN_PHASES, absolute_phase_peaks
-from memstudy.store import ResultsDB
+from memstudy.store import PROBE_LABEL, ResultsDB
 from memstudy.bytesize import mb
 
 GRID_PX = 64
 MIN_PX = 192  # the smallest multiple of 64 that 5-scale MS-SSIM accepts
-PROBE_LABEL = "maxres probe"  # memstudy.report leaves probes out of its per-run tables
 PROBE_MEASURED = 2  # measured steps per probe, after the config's warm-up steps
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS maxres (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    config_key TEXT NOT NULL,     -- hash of the probe config without its image size
-    name TEXT NOT NULL,           -- technique set, as runs.name
-    techniques_json TEXT NOT NULL,
-    budget TEXT NOT NULL,
-    budget_bytes INTEGER NOT NULL,
-    device TEXT,
-    gpu_name TEXT,
-    batch_size INTEGER NOT NULL,
-    fit_sizes_json TEXT NOT NULL,
-    fit_phase TEXT,               -- the phase whose fitted peak reaches the budget first
-    fit_a REAL,                   -- that phase's peak bytes = fit_a + fit_b * pixels
-    fit_b REAL,
-    predicted_px INTEGER,         -- prediction floored to the 64 px grid
-    found_px INTEGER,             -- largest probed size that trained; NULL: not even MIN_PX
-    step_time_s REAL,             -- time per step at found_px
-    peak_bytes REAL,              -- peak memory at found_px
-    probes_json TEXT NOT NULL,    -- [[px, status, peak_bytes], ...] in probing order
-    error TEXT,
-    created_at REAL NOT NULL
-);
-"""
-
 
 class ProbeError(RuntimeError):
     """A probe failed for a reason other than memory; the search cannot conclude."""
@@ -288,25 +260,17 @@ def store_result(db_path: str | Path, template: RunConfig, result: MaxresResult)
     key = config_key(template, result.techniques)
     best = result.at_found()
     probe0 = best or (result.probes[0] if result.probes else None)
-    con = sqlite3.connect(str(db_path), timeout=60)
-    try:
-        with con:
-            con.executescript(SCHEMA)
-            con.execute("DELETE FROM maxres WHERE config_key = ?", (key,))
-            con.execute(
-                "INSERT INTO maxres (config_key, name, techniques_json, budget, budget_bytes, "
-                "device, gpu_name, batch_size, fit_sizes_json, fit_phase, fit_a, fit_b, predicted_px, "
-                "found_px, step_time_s, peak_bytes, probes_json, error, created_at) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (key, result.name, json.dumps(result.techniques), result.budget, result.budget_bytes,
-                 probe0.device if probe0 else None, probe0.gpu_name if probe0 else None,
-                 template.train.batch_size, json.dumps(result.fit_sizes), result.fit_phase,
-                 *(result.fit or (None, None)), result.predicted_px, result.found_px,
-                 best.step_time_s if best else None, best.peak_bytes if best else None,
-                 json.dumps([[p.size, p.status, p.peak_bytes] for p in result.probes]),
-                 result.error, time.time()))
-    finally:
-        con.close()
+    fit_a, fit_b = result.fit or (None, None)
+    ResultsDB(db_path).replace_maxres(dict(
+        config_key=key, name=result.name, techniques_json=json.dumps(result.techniques),
+        budget=str(result.budget), budget_bytes=result.budget_bytes,
+        device=probe0.device if probe0 else None, gpu_name=probe0.gpu_name if probe0 else None,
+        batch_size=template.train.batch_size, fit_sizes_json=json.dumps(result.fit_sizes),
+        fit_phase=result.fit_phase, fit_a=fit_a, fit_b=fit_b, predicted_px=result.predicted_px,
+        found_px=result.found_px, step_time_s=best.step_time_s if best else None,
+        peak_bytes=best.peak_bytes if best else None,
+        probes_json=json.dumps([[p.size, p.status, p.peak_bytes] for p in result.probes]),
+        error=result.error, created_at=time.time()))
 
 
 def search_all(template: RunConfig, technique_sets: list[list[str]], db_path: str | Path,

@@ -1,9 +1,10 @@
-"""Results database: one SQLite file, one transaction per run.
+"""Results database: one SQLite file, one transaction per run. The one module that knows the
+schema and opens SQLite connections (runs, their metrics / epochs / series, maxres results).
 
 A run is written whole or not at all (`record` is a single transaction), so a crash or a
 kill never leaves a half-written run, and runs written by earlier processes are never
 touched. WAL mode and a busy timeout let grid cells in separate processes write at once.
-Default path: ./results/memstudy.sqlite, or $MEMSTUDY_DB.
+Default path: ./results/memstudy.sqlite, or $MEMSTUDY_DB. Torch-free.
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from typing import Any, Iterator
 
 DEFAULT_DB = "results/memstudy.sqlite"
 STATUSES = ("ok", "oom", "error", "diverged")
+# metrics.rank of a distributed run's merged rows (memstudy.distributed.records): the mean over
+# ranks, as the study reports per GPU, and the maximum, which decides whether a run fits a budget
+RANK_MEAN, RANK_MAX = -1, -2
+PROBE_LABEL = "maxres probe"  # runs.label of memstudy maxres probes (reports leave them out)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -66,7 +71,33 @@ CREATE TABLE IF NOT EXISTS series (
     value REAL,
     PRIMARY KEY (run_id, rank, step, name)
 );
+CREATE TABLE IF NOT EXISTS maxres (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    config_key TEXT NOT NULL,     -- hash of the probe config without its image size
+    name TEXT NOT NULL,           -- technique set, as runs.name
+    techniques_json TEXT NOT NULL,
+    budget TEXT NOT NULL,
+    budget_bytes INTEGER NOT NULL,
+    device TEXT,
+    gpu_name TEXT,
+    batch_size INTEGER NOT NULL,
+    fit_sizes_json TEXT NOT NULL,
+    fit_phase TEXT,               -- the phase whose fitted peak reaches the budget first
+    fit_a REAL,                   -- that phase's peak bytes = fit_a + fit_b * pixels
+    fit_b REAL,
+    predicted_px INTEGER,         -- prediction floored to the search grid
+    found_px INTEGER,             -- largest probed size that trained; NULL: not even the smallest
+    step_time_s REAL,             -- time per step at found_px
+    peak_bytes REAL,              -- peak memory at found_px
+    probes_json TEXT NOT NULL,    -- [[px, status, peak_bytes], ...] in probing order
+    error TEXT,
+    created_at REAL NOT NULL
+);
 """
+MAXRES_COLUMNS = ("config_key", "name", "techniques_json", "budget", "budget_bytes", "device",
+                  "gpu_name", "batch_size", "fit_sizes_json", "fit_phase", "fit_a", "fit_b",
+                  "predicted_px", "found_px", "step_time_s", "peak_bytes", "probes_json", "error",
+                  "created_at")
 
 
 @dataclass
@@ -131,6 +162,22 @@ class ResultsDB:
                 con.executemany("INSERT INTO series VALUES (?,?,?,?,?)",
                                 [(run_id, r, s, n, _num(v)) for r, s, n, v in rec.series])
             return run_id
+        finally:
+            con.close()
+
+    def replace_maxres(self, row: dict[str, Any]) -> None:
+        """Store one maxres result (MAXRES_COLUMNS), replacing the earlier one of the same
+        config_key, in one transaction."""
+        missing = set(MAXRES_COLUMNS) - set(row)
+        if missing:
+            raise ValueError(f"maxres row lacks {sorted(missing)}")
+        con = self._connect()
+        try:
+            with con:
+                con.execute("DELETE FROM maxres WHERE config_key = ?", (row["config_key"],))
+                con.execute(f"INSERT INTO maxres ({', '.join(MAXRES_COLUMNS)}) VALUES "
+                            f"({', '.join('?' * len(MAXRES_COLUMNS))})",
+                            [row[c] for c in MAXRES_COLUMNS])
         finally:
             con.close()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from memstudy.bytesize import mb
+from memstudy.phases import PHASES
 
-PHASE_ORDER = ("forward", "backward", "step", "validation")
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -34,7 +34,7 @@ def phase_table(metrics: dict[str, dict[str, float]]) -> str:
         headers += ["reserved MB", "NVML MB", "NVML +MB"]
     headers += ["time ms"]
     rows = []
-    for phase in PHASE_ORDER:
+    for phase in PHASES:
         m = metrics.get(phase)
         if not m or "time_s" not in m:
             continue

@@ -12,9 +12,7 @@ import torch
 import torch.distributed as dist
 
 from memstudy.errors import ConfigError
-
-RANK_MEAN = -1  # metrics rows holding the mean over ranks (what the study reports)
-RANK_MAX = -2  # metrics rows holding the maximum over ranks (what decides whether a run fits)
+from memstudy.store import RANK_MAX, RANK_MEAN  # noqa: F401 (metrics rows of the mean / max over ranks)
 BACKENDS = ("auto", "nccl", "gloo")  # the `backend` option of every process-group owner
 
 

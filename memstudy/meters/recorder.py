@@ -22,9 +22,9 @@ from torch import nn
 from memstudy.config import MeterConfig
 from memstudy.meters.nvml import NvmlSampler
 from memstudy.meters.tensor import LiveTensorMeter, storage_key, unique_storage_bytes
+from memstudy.phases import PHASES
 from memstudy.runtime import Runtime
 
-PHASES = ("forward", "backward", "step", "validation")
 TIME_FIGURES = {"time_s"}
 
 

@@ -10,14 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from memstudy.errors import ConfigError
-from memstudy.store import ResultsDB
-
-TRAIN_PHASES = ("forward", "backward", "step")
-PROBE_LABEL = "maxres probe"  # label of maxres probes (memstudy.maxres)
-# Ranks of a distributed run's merged rows (memstudy.distributed.records; kept here so this
-# module needs no torch): the mean over ranks, as the study reports per GPU, and the maximum,
-# which decides whether a run fits a budget.
-RANK_MEAN, RANK_MAX = -1, -2
+from memstudy.phases import TRAIN_PHASES  # noqa: F401 (reports import it from here)
+from memstudy.store import PROBE_LABEL, RANK_MAX, RANK_MEAN, ResultsDB  # noqa: F401
 
 
 def open_db(db: str | Path | ResultsDB) -> ResultsDB:

@@ -41,9 +41,6 @@ from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
-# Structural techniques that replace the encoder's residual blocks; MomentumNet needs them intact.
-REPLACES_ENCODER_BLOCKS = ("lowrank",)
-
 
 @dataclass
 class Options:
@@ -171,10 +168,6 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError(f"invertible: gamma={opts.gamma} must be in (0, 1): backward divides by "
                           "gamma to rebuild activations, and gamma=1 removes the blocks; use e.g. "
                           "invertible:0.9")
-    clash = [n for n in REPLACES_ENCODER_BLOCKS if plan.has(n)]
-    if clash:
-        raise ConfigError(f"invertible needs the encoder's residual blocks, which {clash[0]} "
-                          f"replaces; drop one of invertible, {clash[0]}")
 
 
 def apply(opts: Options, build: Build) -> None:
