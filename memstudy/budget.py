@@ -97,7 +97,7 @@ def recap_after_warmup(budget: str | None, device: torch.device) -> dict[str, An
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.synchronize(index)
-    pass  # torch.cuda.empty_cache()  # warm-up's cached blocks must fit under the new cap too
+    torch.cuda.empty_cache()  # warm-up's cached blocks must fit under the new cap too
     context = nvml_used(index) - torch.cuda.memory_reserved(index)
     total = torch.cuda.get_device_properties(index).total_memory
     fraction = allocator_fraction(limit, context, total)
