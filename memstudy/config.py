@@ -44,6 +44,30 @@ class TrainConfig:
     measure_steps: int = 3  # steps after warm-up measured phase by phase
     msssim_scales: int = 5  # MS-SSIM scales; decides the smallest trainable image
     validate: bool = True
+    # The tuned baseline a hand-written CUDA loop uses (docs/metrics.md, "Run settings"); unset
+    # (None) means on for CUDA, off on the CPU, and the resolved config stores what was used.
+    channels_last: bool | None = None  # weights and batches in channels_last (NHWC) layout
+    cudnn_benchmark: bool | None = None  # torch.backends.cudnn.benchmark: cuDNN times its
+    # convolution algorithms for each new shape (in warm-up) and keeps the fastest
+
+    def resolve_tuning(self) -> None:
+        """Fill unset channels_last / cudnn_benchmark: on for CUDA, off on the CPU."""
+        on_cuda = cuda_selected(self.device)
+        if self.channels_last is None:
+            self.channels_last = on_cuda
+        if self.cudnn_benchmark is None:
+            self.cudnn_benchmark = on_cuda
+
+    def check_tuning(self) -> None:
+        for name in ("channels_last", "cudnn_benchmark"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"train.{name} must be true or false (got {value!r})")
+        if self.cudnn_benchmark and not cuda_selected(self.device):
+            raise ConfigError(f"train.cudnn_benchmark = true needs a CUDA GPU but train.device "
+                              f"{self.device!r} runs on the CPU, where cuDNN is not used; set "
+                              "train.cudnn_benchmark = false (or leave it unset)")
+        self.resolve_tuning()
 
     def check(self) -> None:
         self.image_size = parse_size(self.image_size)  # canonical form: what is stored and hashed
@@ -63,6 +87,16 @@ class TrainConfig:
             raise ConfigError(f"train.lr must be > 0 (got {self.lr})")
         if not 1 <= self.msssim_scales <= 5:
             raise ConfigError(f"train.msssim_scales must be 1..5 (got {self.msssim_scales})")
+        self.check_tuning()
+
+
+def cuda_selected(device: str) -> bool:
+    """Whether train.device runs on CUDA ("auto": if a GPU is visible); never initialises CUDA."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 @dataclass

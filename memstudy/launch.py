@@ -35,7 +35,7 @@ from memstudy.distributed.records import set_object_group
 from memstudy.errors import ConfigError
 from memstudy.runner import execute
 from memstudy.store import ResultsDB
-from memstudy.techniques.compose import make_plan
+from memstudy.techniques.compose import make_plan, prepare_process
 
 TIMEOUT_S = float(os.environ.get("MEMSTUDY_DIST_TIMEOUT_S", "600"))  # a rank that died ends
 # the others' collectives after this long instead of hanging them forever
@@ -96,6 +96,8 @@ def _worker(index: int, config, db_path, env: dict, result: str, progress) -> No
 def run_in_group(config, db_path, progress):
     """Join the process group (env:// rendezvous), run, leave. Rank 0 writes the database."""
     backend = group_backend(config)
+    # process-level settings (allocator) before set_device initialises CUDA in this rank
+    prepare_process(make_plan(copy.deepcopy(config)))
     ws = int(os.environ["WORLD_SIZE"])
     if backend == "nccl":
         torch.cuda.set_device(local_rank())

@@ -2,7 +2,7 @@
 
 Batches are drawn with the runtime's current batch size, so a controller may change it
 between steps. Warm-up steps run unmeasured; the next `measure_steps` are measured phase by
-phase; the rest are only timed (their time is the unmetered step time).
+phase; the rest are plain: timed as a whole, with no meter (their time is `step_time_s`).
 """
 from __future__ import annotations
 
@@ -33,13 +33,23 @@ class TrainState:
     oom_retries: int = 0
 
 
-def make_batch(dataset, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(dataset, indices: list[int], device: torch.device,
+               memory_format: torch.memory_format = torch.contiguous_format
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images `indices` of `dataset` as one batch on `device` (in `memory_format`:
+    channels_last when train.channels_last is on, to match the model's weights)."""
     items = [dataset[i] for i in indices]
     x = torch.stack([it[0] for it in items])
     y = torch.stack([it[1] for it in items])
     if device.type == "cuda":
         x, y = x.pin_memory(), y.pin_memory()
-    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    return x.contiguous(memory_format=memory_format), y.contiguous(memory_format=memory_format)
+
+
+def input_format(cfg) -> torch.memory_format:
+    """The memory format of batches: channels_last when train.channels_last is on."""
+    return torch.channels_last if cfg.channels_last else torch.contiguous_format
 
 
 def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: TrainState,
@@ -59,7 +69,7 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
             if chunk is None:
                 break
             indices = chunk[rt.shard[0]::rt.shard[1]].tolist()
-            x, y = make_batch(train_set, indices, in_device)
+            x, y = make_batch(train_set, indices, in_device, input_format(cfg))
             measured = first_measured <= state.step < last_measured
             recorder.in_warmup = state.step < first_measured
             try:
@@ -131,32 +141,35 @@ def _global_batch(order: torch.Tensor, pos: int, rt) -> torch.Tensor | None:
 
 
 def _train_step(model, rt, optimizer, recorder, state, x, y, measured) -> float:
+    """One step. The loss is read (`.item()`, a host sync) once, after the optimizer step, as
+    a hand-written loop that logs its loss does: reading it between phases would stall the
+    GPU while the CPU launches the next phase. A non-finite loss is still reported in the
+    phase that produced it."""
     phase = "forward"
     try:
         with recorder.step(measured):
             if rt.forward_backward is not None:  # a pipeline schedule: one fused phase
                 phase = "forward_backward"
                 with recorder.phase(phase):
-                    value = rt.forward_backward(model, x, y).item()
-                if not math.isfinite(value):
-                    raise Diverged(phase, state.step + 1, value)
+                    loss = rt.forward_backward(model, x, y)
             else:
                 with recorder.phase("forward"):
                     loss = rt.forward(model, x, y)
-                    value = loss.item()
-                if not math.isfinite(value):
-                    raise Diverged("forward", state.step + 1, value)
                 phase = "backward"
                 with recorder.phase("backward"):
                     rt.backward(loss)
-                del loss
+                loss = loss.detach()  # the graph is gone; keep only the value
             phase = "step"
             with recorder.phase("step"):
                 rt.step(optimizer)
+            value = loss.item()
     except (Diverged, PhaseFailure):
         raise
     except Exception as exc:  # any failure is reported with the phase it happened in
         raise PhaseFailure(phase, state.step + 1, exc) from exc
+    if not math.isfinite(value):
+        raise Diverged("forward_backward" if rt.forward_backward is not None else "forward",
+                       state.step + 1, value)
     return value
 
 
@@ -192,7 +205,8 @@ def _evaluate(build: Build, val_set, autocast: bool = True) -> dict[str, float]:
     model.eval()
     try:
         for i in range(0, len(val_set), cfg.batch_size):
-            x, y = make_batch(val_set, list(range(i, min(i + cfg.batch_size, len(val_set)))), in_device)
+            x, y = make_batch(val_set, list(range(i, min(i + cfg.batch_size, len(val_set)))),
+                              in_device, input_format(cfg))
             # enabled=True would *set* autocast (default dtype), so only ever pass False
             off = contextlib.nullcontext() if autocast else torch.autocast(in_device.type, enabled=False)
             with rt.forward_context(), off:

@@ -3,7 +3,8 @@
 NVML's "used" counts everything on the GPU: the CUDA context, the caching allocator's
 reserved blocks, cuDNN/cuBLAS workspaces and other processes. A background thread polls
 it while a measured phase runs; `phase_start`/`phase_end` take a sample synchronously,
-so even a phase shorter than the interval has two samples.
+so even a phase shorter than the interval has two samples. Between measured phases the
+thread sleeps on an event without waking up, so plain steps share the CPU with nothing.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class NvmlSampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if self._active.wait(timeout=0.1) and not self._stop.is_set():
+            if self._active.wait() and not self._stop.is_set():  # close() sets it to wake us
                 self.sample()
                 time.sleep(self.interval_s)
 

@@ -1,11 +1,13 @@
 """Per-phase measurement of a training step: time, allocator, NVML, tensor meter, categories.
 
 Phases are forward (model + loss), backward, step (optimizer step and zero_grad) and
-validation. Every phase is timed with the device synchronised before each clock read.
-Memory is measured only on "measured" steps (after warm-up), which also turn on the
-saved-tensor observer and, where enabled, the tensor meter; the remaining steps give the
-unmetered step time, so every run reports the meters' own overhead. docs/metrics.md
-defines each figure.
+validation. Memory is measured only on "measured" steps (after warm-up), which also turn on
+the saved-tensor observer and, where enabled, the tensor meter; each of their phases is timed
+with the device synchronised before each clock read. The other steps carry no meter at all:
+a plain step is timed as a whole (one synchronisation at each end, as a hand-written loop
+would time it), its phases are neither synchronised nor timed, and warm-up steps are not
+timed except the first (`first_step_time_s`: cuDNN autotuning, torch.compile). Comparing
+plain and measured steps gives the meters' own overhead. docs/metrics.md defines each figure.
 """
 from __future__ import annotations
 
@@ -37,12 +39,11 @@ class PhaseRecorder:
         self.tensor_meter_on = cfg.tensor == "on" or (cfg.tensor == "auto" and not self.cuda)
         self.nvml = NvmlSampler(device, cfg.nvml_interval_ms / 1e3) if self.cuda and cfg.nvml else None
         self.measured: dict[str, list[dict[str, float]]] = defaultdict(list)
-        self.unmeasured_times: dict[str, list[float]] = defaultdict(list)
+        self.first_step_time: float | None = None  # the run's first training step, warm-up or not
         self.step_times: dict[bool, list[float]] = {True: [], False: []}  # by measured or not
         self.bookkeeping: list[float] = []  # seconds per measured step spent by the meters between phases
         self._step_id = 0
         self._measuring = False
-        self._timing = True
         self.in_warmup = True  # set by the training loop; validation passes ignore it
         self._saved: dict[tuple[str, int], tuple[int, Any, torch.device]] = {}
         self._meter: LiveTensorMeter | None = None
@@ -72,17 +73,24 @@ class PhaseRecorder:
                 self.runtime.saved_tensor_observers.append(self._observe_saved)
                 stack.callback(self.runtime.saved_tensor_observers.remove, self._observe_saved)
             self._measuring = measured
-            self._timing = timed
             self._step_id += 1
-            self._sync()
+            first = timed and self.first_step_time is None
+            # warm-up steps (but the first) are not timed: no synchronisation at all
+            clocked = measured or first or (timed and not self.in_warmup)
+            if clocked:
+                self._sync()
             t0 = time.perf_counter()
             try:
                 yield
             finally:
                 self._measuring = False
+            if not clocked:
+                return
             self._sync()
+            wall = time.perf_counter() - t0
+            if first:
+                self.first_step_time = wall
             if timed and not self.in_warmup:
-                wall = time.perf_counter() - t0
                 if measured:  # the phases' own time; the meters' bookkeeping between them apart
                     inside = sum(recs[-1]["time_s"] for recs in self.measured.values()
                                  if recs and recs[-1].get("_step") == self._step_id)
@@ -93,24 +101,22 @@ class PhaseRecorder:
 
     @contextmanager
     def phase(self, name: str, measure: bool | None = None) -> Iterator[None]:
-        """A timed phase; memory is measured inside measured steps, or when `measure` says so."""
+        """A phase, timed and measured inside measured steps (or when `measure` says so);
+        elsewhere it does nothing: plain steps are timed whole, without per-phase syncs."""
         measuring = self._measuring if measure is None else measure
+        if not measuring:
+            yield
+            return
         rec: dict[str, float] = {}
         self._sync()
-        if measuring:
-            self._before(rec)
+        self._before(rec)
         t0 = time.perf_counter()
         yield
         self._sync()
-        elapsed = time.perf_counter() - t0
-        if measuring:
-            rec["time_s"] = elapsed
-            rec["_step"] = self._step_id
-            self._after(name, rec)
-            self.measured[name].append(rec)
-        else:
-            if self._timing and not self.in_warmup:  # warm-up steps count nowhere
-                self.unmeasured_times[name].append(elapsed)
+        rec["time_s"] = time.perf_counter() - t0
+        rec["_step"] = self._step_id
+        self._after(name, rec)
+        self.measured[name].append(rec)
 
     def close(self) -> None:
         if self.nvml is not None:
@@ -200,8 +206,6 @@ class PhaseRecorder:
             out[phase] = {k: (statistics.median if k in TIME_FIGURES else max)(r[k] for r in recs)
                           for k in keys}
             out[phase]["measured_steps"] = len(recs)
-        for phase, times in self.unmeasured_times.items():
-            out.setdefault(phase, {})["unmetered_time_s"] = statistics.median(times)
         out["run"] = self._step_summary()
         return out
 
@@ -219,10 +223,18 @@ class PhaseRecorder:
             run["meter_overhead"] = run["metered_step_time_s"] / run["step_time_s"] - 1
         if self.bookkeeping:
             run["meter_bookkeeping_s"] = statistics.median(self.bookkeeping)
+        if self.first_step_time is not None:
+            run["first_step_time_s"] = self.first_step_time
         peaks = [r.get("alloc_start_bytes", 0) + r["alloc_peak_bytes"]
                  for recs in self.measured.values() for r in recs if "alloc_peak_bytes" in r]
         if peaks:
             run["alloc_peak_total_bytes"] = max(peaks)
+        reserved = [r["reserved_peak_bytes"] for recs in self.measured.values() for r in recs
+                    if "reserved_peak_bytes" in r]
+        if peaks and reserved:
+            run["reserved_peak_total_bytes"] = max(reserved)
+            # cached but unallocated at the peaks: the caching allocator's fragmentation
+            run["fragmentation_bytes"] = run["reserved_peak_total_bytes"] - run["alloc_peak_total_bytes"]
         nvml = [r["nvml_peak_bytes"] for recs in self.measured.values() for r in recs
                 if "nvml_peak_bytes" in r]
         if nvml:

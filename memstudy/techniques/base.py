@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 class Stage(IntEnum):
     """Composition order; see memstudy.techniques.compose for why it is this one."""
+    PROCESS = -1  # process-level settings applied before CUDA initialises (allocator)
     STRUCTURE = 0  # invertible residuals, low-rank, quantization, model-parallel split
     ACTIVATION = 1  # checkpointing, offload, activation compression
     COMPILE = 2  # torch.compile
@@ -103,6 +104,9 @@ class Technique:
     summary: str
     apply: Callable[[Any, Build], None]
     check: Callable[[Any, Plan], None] = _no_check
+    # Process-level settings (PROCESS stage), applied by compose.prepare_process after the
+    # plan is validated and before anything initialises CUDA in the run's process.
+    prepare: Callable[[Any, Plan], None] | None = None
     # What composition needs to know. Techniques are applied in (stage, order, name) order,
     # whatever order the user listed them in; see memstudy.techniques.compose.
     order: int = 50  # position within the stage, lower first (0..100 by convention)

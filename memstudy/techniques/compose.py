@@ -1,6 +1,8 @@
 """Validation and composition of techniques: the one place where a pipeline is put together.
 
 Order, and why it is this one:
+0. PROCESS (allocator settings) configures the process itself; `prepare_process` applies it
+   before CUDA initialises (the runner calls it right after `make_plan`).
 1. STRUCTURE (invertible residuals, low-rank, quantization, model-parallel split) decides
    which modules exist; everything after wraps modules, so it must see the final ones.
    Then the model moves to its device, unless a structural technique placed it itself.
@@ -64,6 +66,15 @@ def make_plan(config: RunConfig, *, device: torch.device | None = None,
     return plan
 
 
+def prepare_process(plan: Plan) -> None:
+    """Process-level settings of the PROCESS stage (the CUDA caching allocator's), applied
+    after the plan is validated and before anything initialises CUDA in this process."""
+    for name, options in plan.chosen.items():
+        prepare = plan.techniques[name].prepare
+        if prepare is not None:
+            prepare(options, plan)
+
+
 def check_declared(plan: Plan) -> None:
     """The composition rules that follow from declared facts alone (no technique named)."""
     owners = plan.group_owners()
@@ -111,9 +122,17 @@ def reset_global_numerics() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
+def apply_tuning(config: RunConfig) -> None:
+    """The run settings of the tuned baseline that are process-global: cuDNN autotuning.
+
+    Set on every run (either way), so a run never inherits an earlier run's setting."""
+    torch.backends.cudnn.benchmark = bool(config.train.cudnn_benchmark)
+
+
 def build_pipeline(plan: Plan) -> Build:
     config = plan.config
     reset_global_numerics()
+    apply_tuning(config)
     runtime = Runtime(device=plan.device, batch_size=config.train.batch_size,
                       loss_fn=MSSSIMLoss(config.train.msssim_scales),
                       optimizer_factory=default_optimizer(config))
@@ -135,3 +154,5 @@ def _place(build: Build) -> None:
     if not build.placed:
         build.model.to(build.device)
         build.placed = True
+    if build.config.train.channels_last:  # 4-D weights in NHWC, where the model placed them
+        build.model.to(memory_format=torch.channels_last)

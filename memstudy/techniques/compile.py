@@ -1,0 +1,220 @@
+"""compile: `torch.compile` of the model (and the loss): fused kernels and a memory-budgeted
+choice of what to save for backward.
+
+Memory / compute trade-off. TorchDynamo captures the forward as a graph, AOTAutograd derives
+the backward and splits the joint graph into a forward and a backward with the min-cut
+partitioner, and Inductor generates fused kernels (Triton on a GPU, C++/OpenMP on the CPU).
+- Time: fused pointwise ops (BatchNorm, ReLU, additions, the loss's filters) read and write
+  memory once instead of once per op; `mode` trades compile time for run time (autotuned
+  matmul/convolution templates, CUDA graphs that remove launch overhead).
+- Memory: the partitioner saves for backward only what is cheaper to keep than to recompute;
+  fused intermediates are never materialised. `memory_budget` (PyTorch's
+  `torch._functorch.config.activation_memory_budget`) caps the saved activations at that
+  fraction of what the default partition saves: below 1.0 the partitioner recomputes the ops
+  that free the most memory per FLOP in backward, automatically, like a selective
+  activation checkpoint that needs no placement. 0 recomputes everything it can.
+- Cost: compilation (tens of seconds to minutes) in the first step, which is a warm-up step:
+  `first_step_time_s` holds it and `compile_time_s` is its excess over a plain step
+  (docs/metrics.md). The first validation pass compiles the eval-mode graph; its time (and,
+  under `max-autotune`, its autotuning buffers) are in the validation figures.
+
+How: `nn.Module.compile` compiles the model in place (same module, same parameter names, so
+the PARALLEL stage and the meters see the module they expect); the loss module is replaced by
+its compiled version when `loss` is on. The activation techniques run before (compose.py), so
+their hooks and wrappers are what gets traced: checkpoint regions become recomputation in the
+compiled graph, and offload's saved-tensor hooks act on what the compiled graph saves.
+
+Refused (with the reason in the message): combinations whose inputs change shape or whose
+code changes between steps (tri_accel's elastic batch and per-unit precision, a last batch
+of another size, native image sizes: each would recompile inside the measured or timed
+steps, or silently fall back to eager after the recompile limit), structures it cannot trace
+faithfully here (invertible, quantization, mp, pipeline, fsdp; any technique not in
+COMPOSES_WITH is refused until verified), CUDA graphs where they
+cannot work (on the CPU, with offload's host copies), and a missing backend (no C++ compiler
+for Inductor on the CPU, no usable Triton on the GPU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from memstudy.errors import ConfigError
+from memstudy.techniques import register
+from memstudy.techniques.base import Build, Plan, Stage, Technique
+
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # these modes capture CUDA graphs
+BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
+# Backends whose partition is the min-cut one, where activation_memory_budget applies.
+MINCUT_BACKENDS = ("inductor", "aot_eager_decomp_partition")
+# Techniques verified to compose with compile (tests/test_tech_compile.py, the registry
+# test and benchmarks/bench_compile.py); any other is refused by name.
+COMPOSES_WITH = ("amp", "checkpoint", "offload", "dp", "zero", "allocator")
+# Why some cannot be compiled faithfully here.
+NOT_COMPOSABLE = {
+    "tri_accel": "its elastic batch changes the input shape and its adaptive precision the "
+                 "autocast of each unit between steps (each change recompiles inside timed "
+                 "steps), and its curvature needs double backward, which compiled graphs do "
+                 "not support",
+    "invertible": "momentumnet's reversible blocks rebuild activations in a hand-written "
+                  "autograd.Function backward; memstudy has not verified that a compiled "
+                  "graph keeps what they save and their gradients",
+    "quantization": "eager-mode QAT's observers switch behaviour on tensor flags "
+                    "(freeze_after), which breaks the graph at every fake quantizer",
+    "mp": "model parallelism sends activations between devices or processes inside the "
+          "forward, which the compiled graph would split at every transfer",
+    "pipeline": "pipeline schedules run the stages themselves (torch.distributed.pipelining)",
+    "fsdp": "FSDP2 needs torch.compile applied per block after fully_shard, whereas this "
+            "technique compiles the whole model before the PARALLEL stage",
+}
+
+
+@dataclass
+class Options:
+    mode: str = field(default="default", metadata={
+        "choices": MODES,
+        "help": "torch.compile mode: default; reduce-overhead (CUDA graphs); max-autotune "
+                "(autotuned templates + CUDA graphs); max-autotune-no-cudagraphs"})
+    memory_budget: float = field(default=1.0, metadata={
+        "help": "activation_memory_budget, 0..1: saved activations as a fraction of the "
+                "default partition's; below 1 the partitioner recomputes in backward"})
+    dynamic: bool = field(default=False, metadata={
+        "help": "symbolic shapes (one graph for many sizes) instead of one graph per shape"})
+    fullgraph: bool = field(default=False, metadata={
+        "help": "refuse graph breaks: the run fails where the model cannot be one graph"})
+    loss: bool = field(default=True, metadata={
+        "help": "compile the MS-SSIM loss too (its Gaussian filters and products fuse)"})
+    backend: str = field(default="inductor", metadata={
+        "choices": BACKENDS,
+        "help": "inductor generates kernels; aot_eager(_decomp_partition) run the captured "
+                "graphs eagerly (for debugging: no kernel generation)"})
+
+
+def check(opts: Options, plan: Plan) -> None:
+    _check_options(opts, plan)
+    _check_meters(plan)
+    _check_combination(plan)
+    _check_shapes(opts, plan)
+    _check_backend(opts, plan)
+
+
+def _check_options(opts: Options, plan: Plan) -> None:
+    if not 0.0 <= opts.memory_budget <= 1.0:
+        raise ConfigError(f"compile: memory_budget={opts.memory_budget} must be within 0..1 "
+                          "(1.0 = PyTorch's default partition, 0 = recompute all it can)")
+    if opts.backend != "inductor" and opts.mode != "default":
+        raise ConfigError(f"compile: mode={opts.mode} is an Inductor mode but backend="
+                          f"{opts.backend}; use backend=inductor or mode=default")
+    if opts.memory_budget < 1.0 and opts.backend not in MINCUT_BACKENDS:
+        raise ConfigError(f"compile: memory_budget applies in the min-cut partitioner, which "
+                          f"backend={opts.backend} does not use; use backend=inductor (or "
+                          "aot_eager_decomp_partition) or memory_budget=1.0")
+    if opts.mode in CUDAGRAPH_MODES:
+        if plan.device.type != "cuda":
+            raise ConfigError(f"compile: mode={opts.mode} captures CUDA graphs but train.device "
+                              f"resolves to {plan.device}; use mode=default or "
+                              "max-autotune-no-cudagraphs")
+        if plan.has("offload"):
+            raise ConfigError(f"compile: mode={opts.mode} captures CUDA graphs, which cannot "
+                              "hold offload's copies to host memory (PyTorch would silently "
+                              "skip the graphs); use mode=default or max-autotune-no-cudagraphs")
+    # the first step compiles; CUDA-graph trees warm up, record, then replay (steps 1-3)
+    need = 3 if opts.mode in CUDAGRAPH_MODES else 1
+    if plan.config.train.warmup_steps < need:
+        raise ConfigError(f"compile:mode={opts.mode} needs train.warmup_steps >= {need} (got "
+                          f"{plan.config.train.warmup_steps}): compilation"
+                          f"{' and CUDA-graph recording' if need > 1 else ''} would land in a "
+                          f"measured step; set --set train.warmup_steps={need}")
+
+
+def _check_meters(plan: Plan) -> None:
+    """The tensor meter is a TorchDispatchMode; while one is active TorchDynamo runs frames
+    eagerly, so measured steps would measure the eager model (silently)."""
+    meter = plan.config.meter.tensor
+    if meter == "on" or (meter == "auto" and plan.device.type != "cuda"):
+        raise ConfigError(f"compile with the tensor meter (meter.tensor = {meter!r}, on for the "
+                          "CPU by default): TorchDynamo does not compile under a dispatch mode, "
+                          "so measured steps would run the model eagerly; set meter.tensor = "
+                          "'off'")
+    if plan.config.budget is not None and plan.device.type != "cuda":
+        raise ConfigError("compile with a CPU budget: the budget is enforced by the tensor meter "
+                          "on every step, under which TorchDynamo does not compile; drop budget "
+                          "or compile")
+
+
+def _check_combination(plan: Plan) -> None:
+    for name in plan.chosen:
+        if name == "compile" or name in COMPOSES_WITH:
+            continue
+        why = NOT_COMPOSABLE.get(name, "memstudy has not verified that a compiled graph "
+                                       f"computes and saves what {name} does")
+        raise ConfigError(f"compile with {name} is not supported: {why}; drop compile or {name}")
+
+
+def _check_shapes(opts: Options, plan: Plan) -> None:
+    """Refuse runs whose training batches change shape: each new shape recompiles (dynamic or
+    not: a batch of one is specialised) inside the timed steps."""
+    train, data = plan.config.train, plan.config.data
+    if train.image_size == "native":
+        raise ConfigError("compile with train.image_size = native: every image size is a new "
+                          "shape to compile; use a fixed train.image_size or drop compile")
+    # data parallel techniques drop an incomplete last global batch
+    if not plan.shards_batch() and data.train_images % train.batch_size:
+        raise ConfigError(f"compile: data.train_images = {data.train_images} leaves a last batch "
+                          f"of {data.train_images % train.batch_size} image(s) at train.batch_size "
+                          f"= {train.batch_size}, which would recompile in a timed step; make "
+                          "data.train_images a multiple of train.batch_size")
+
+
+def _check_backend(opts: Options, plan: Plan) -> None:
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise ConfigError("compile: torch.compile (TorchDynamo) is not supported on this Python/"
+                          "PyTorch; drop compile")
+    if opts.backend != "inductor":
+        return
+    if plan.device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise ConfigError("compile: Inductor needs Triton for CUDA kernels and none usable "
+                              "is installed for this GPU; install triton, or use "
+                              "compile:backend=aot_eager")
+        return
+    cxx = cpp_compiler()
+    if cxx is None:
+        raise ConfigError("compile: Inductor's CPU backend needs a C++ compiler (g++ or clang++; "
+                          "torch._inductor.config.cpp.cxx or $CXX) and none was found; install "
+                          "one, or use compile:backend=aot_eager")
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler Inductor would use on the CPU, or None."""
+    from torch._inductor import cpp_builder
+
+    try:
+        return cpp_builder.get_cpp_compiler()
+    except Exception:  # noqa: BLE001 - Inductor raises its own error types for "not found"
+        return None
+
+
+def apply(opts: Options, build: Build) -> None:
+    # Read by AOTAutograd's partitioner when the graphs compile (the first step). Set on every
+    # compile run so that a run never inherits an earlier run's budget in this process.
+    torch._functorch.config.activation_memory_budget = opts.memory_budget
+    kwargs = {"dynamic": opts.dynamic, "fullgraph": opts.fullgraph, "backend": opts.backend}
+    if opts.backend == "inductor":
+        kwargs["mode"] = opts.mode
+    build.model.compile(**kwargs)
+    if opts.loss:
+        build.runtime.loss_fn = torch.compile(build.runtime.loss_fn, **kwargs)
+    build.notes["compile"] = {"mode": opts.mode, "memory_budget": opts.memory_budget,
+                              "dynamic": opts.dynamic, "fullgraph": opts.fullgraph,
+                              "loss": opts.loss, "backend": opts.backend}
+
+
+register(Technique("compile", Stage.COMPILE, Options,
+                   "torch.compile: fused kernels; memory_budget recomputes in backward to cap "
+                   "saved activations", apply, check))

@@ -1,0 +1,104 @@
+"""The tuned baseline: channels_last / cudnn_benchmark as recorded run settings, plain steps
+with no meter work, the first step's time and the fragmentation figure."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import small_config
+from memstudy.errors import ConfigError
+from memstudy.meters import PhaseRecorder
+from memstudy.runner import execute
+from memstudy.store import ResultsDB
+from memstudy.techniques.compose import build_pipeline, make_plan
+
+
+def test_tuning_settings_are_resolved_and_stored(tmp_path):
+    db = ResultsDB(tmp_path / "r.sqlite")
+    cfg = small_config(max_steps=2, validate=False)
+    assert cfg.train.channels_last is None and cfg.train.cudnn_benchmark is None  # unset
+    rec = execute(cfg, db)
+    assert rec.status == "ok", rec.error
+    # on the CPU the unset settings resolve to off, and the stored row says so
+    assert (rec.config["train"]["channels_last"], rec.config["train"]["cudnn_benchmark"]) == (False, False)
+    stored = db.runs()[-1]
+    assert '"channels_last": false' in stored["config_json"]
+    assert '"cudnn_benchmark": false' in stored["config_json"]
+
+
+def test_channels_last_is_applied_and_hashed_apart():
+    plain = small_config()
+    nhwc = small_config(channels_last=True)
+    build = build_pipeline(make_plan(nhwc))
+    conv = build.model.encoder.layer1[0].conv1.weight  # 64 -> 64 channels: the layouts differ
+    layout = (conv.is_contiguous(memory_format=torch.channels_last), conv.is_contiguous())
+    assert layout == (True, False)
+    assert not torch.backends.cudnn.benchmark  # set (off) on every build
+    assert plain.hash() != nhwc.hash()
+
+
+@pytest.mark.parametrize("setting, value, fragment", [
+    ("cudnn_benchmark", True, "train.cudnn_benchmark = true needs a CUDA GPU"),
+    ("channels_last", "yes", "train.channels_last must be true or false"),
+    ("cudnn_benchmark", 1, "train.cudnn_benchmark must be true or false"),
+])
+def test_bad_tuning_settings_are_refused(setting, value, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        make_plan(small_config(**{setting: value}))
+
+
+def test_plain_steps_do_no_meter_work(monkeypatch):
+    """Warm-up (after the first) and plain steps: no synchronisation inside the step, no
+    memory statistics, no per-phase records; a plain step is timed with one sync at each end."""
+    calls = {"sync": [], "before": 0}
+    monkeypatch.setattr(PhaseRecorder, "_sync", lambda self: calls["sync"].append(self._step_id))
+    original_before = PhaseRecorder._before
+
+    def counting_before(self, rec):
+        calls["before"] += 1
+        original_before(self, rec)
+
+    monkeypatch.setattr(PhaseRecorder, "_before", counting_before)
+    cfg = small_config(warmup_steps=2, measure_steps=1, max_steps=5, validate=False)
+    cfg.data.train_images = 5
+    rec = execute(cfg, db=None)
+    assert rec.status == "ok", rec.error
+    per_step = {step: calls["sync"].count(step) for step in range(1, 6)}
+    # step 1: first (timed, 2); step 2: warm-up (none); step 3: measured (2 + 2 per phase);
+    # steps 4-5: plain (2 each)
+    assert per_step == {1: 2, 2: 0, 3: 2 + 2 * 3, 4: 2, 5: 2}, per_step
+    assert calls["before"] == 3  # forward, backward, step of the measured step only
+    run = {n: v for _, phase, n, v in rec.metrics if phase == "run"}
+    assert run["first_step_time_s"] > 0 and "step_time_s" in run
+    assert not any(n == "unmetered_time_s" for _, _, n, _ in rec.metrics)
+
+
+def test_fragmentation_is_peak_reserved_minus_peak_allocated():
+    rec = PhaseRecorder(torch.device("cpu"), torch.nn.Linear(1, 1), build_runtime(), lambda: None,
+                        small_config().meter)
+    rec.measured["forward"].append({"alloc_start_bytes": 100, "alloc_peak_bytes": 400,
+                                    "reserved_peak_bytes": 800, "time_s": 0.1})
+    rec.measured["backward"].append({"alloc_start_bytes": 300, "alloc_peak_bytes": 500,
+                                     "reserved_peak_bytes": 1200, "time_s": 0.1})
+    run = rec.summary()["run"]
+    assert run["alloc_peak_total_bytes"] == 800
+    assert run["reserved_peak_total_bytes"] == 1200
+    assert run["fragmentation_bytes"] == 400
+
+
+def build_runtime():
+    return build_pipeline(make_plan(small_config())).runtime
+
+
+@pytest.mark.gpu
+def test_cuda_run_is_tuned_and_records_fragmentation():
+    cfg = small_config(512, max_steps=5, validate=False)
+    cfg.train.device = "cuda"
+    cfg.data.train_images = 5
+    rec = execute(cfg, db=None)
+    assert rec.status == "ok", rec.error
+    assert (rec.config["train"]["channels_last"], rec.config["train"]["cudnn_benchmark"]) == (True, True)
+    assert torch.backends.cudnn.benchmark
+    run = {n: v for _, phase, n, v in rec.metrics if phase == "run"}
+    assert run["fragmentation_bytes"] == run["reserved_peak_total_bytes"] - run["alloc_peak_total_bytes"]
+    assert run["fragmentation_bytes"] >= 0

@@ -1,0 +1,124 @@
+"""allocator: caching-allocator settings validated by name, applied once per process before
+CUDA initialises, refused where they could no longer take effect."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import small_config
+from memstudy.errors import ConfigError
+from memstudy.techniques import allocator
+from memstudy.techniques.compose import make_plan, prepare_process
+
+CUDA = torch.device("cuda")
+
+
+def cuda_plan(techniques: list[str]):
+    """A plan for a one-GPU host (validation only: nothing is built)."""
+    cfg = small_config(techniques=techniques)
+    cfg.train.device = "cuda"
+    return make_plan(cfg, device=CUDA, n_gpus=1)
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+    """This process as if nothing had configured its allocator, with the setter recorded."""
+    calls: list[str] = []
+    monkeypatch.setattr(allocator, "_applied", None)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("allocator:roundup=4", "technique allocator has no option 'roundup'"),
+    ("allocator:garbage_collection_threshold=1.5", "garbage_collection_threshold=1.5 must be within 0..1"),
+    ("allocator:garbage_collection_threshold=-0.2", "garbage_collection_threshold=-0.2 must be within"),
+    ("allocator:max_split_size_mb=10", "max_split_size_mb=10 must be >= 20"),
+    ("allocator:expandable_segments=maybe", "expandable_segments='maybe' is not a valid bool"),
+    ("allocator", "every option at its default changes nothing"),
+])
+def test_bad_options_are_refused_by_name(spec, fragment, fresh_process):
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+        cuda_plan([spec])
+    assert fresh_process == []
+
+
+def test_refused_on_the_cpu():
+    with pytest.raises(ConfigError, match="allocator configures PyTorch's CUDA caching allocator"):
+        make_plan(small_config(techniques=["allocator:expandable_segments=true"]))
+
+
+def test_an_environment_setting_is_refused(fresh_process, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(ConfigError, match="PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True' is set"):
+        cuda_plan(["allocator:max_split_size_mb=256"])
+
+
+def test_settings_are_applied_once_before_cuda(fresh_process):
+    spec = "allocator:expandable_segments=true:garbage_collection_threshold=0.7:max_split_size_mb=512"
+    prepare_process(cuda_plan([spec, "amp:bf16"]))
+    assert fresh_process == ["expandable_segments:True,garbage_collection_threshold:0.7,"
+                             "max_split_size_mb:512"]
+    prepare_process(cuda_plan([spec]))  # the same settings again (a distributed rank): no-op
+    assert len(fresh_process) == 1
+    with pytest.raises(ConfigError, match="cannot be reconfigured"):
+        prepare_process(cuda_plan(["allocator:expandable_segments=true"]))
+    prepare_process(cuda_plan(["amp:bf16"]))  # no allocator: nothing to apply
+    assert len(fresh_process) == 1
+
+
+def test_refused_once_cuda_is_initialised(fresh_process, monkeypatch):
+    plan = cuda_plan(["allocator:expandable_segments=true"])  # planning alone never refuses
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # simulated
+    with pytest.raises(ConfigError, match="CUDA is already initialised in this process"):
+        prepare_process(plan)
+    assert fresh_process == []
+
+
+def test_pytorch_refusal_is_a_config_error(fresh_process, monkeypatch):
+    def refuse(text):
+        raise ValueError("Unrecognized key")
+
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse)
+    with pytest.raises(ConfigError, match="allocator: PyTorch refused 'expandable_segments:True'"):
+        prepare_process(cuda_plan(["allocator:expandable_segments=true"]))
+
+
+def test_pytorch_accepts_the_settings_string(tmp_path):
+    """The real setter, in a fresh process (it changes process-global state)."""
+    code = (
+        "import torch, sys; sys.path.insert(0, 'tests')\n"
+        "from test_tech_allocator import cuda_plan\n"
+        "from memstudy.techniques.compose import prepare_process\n"
+        "prepare_process(cuda_plan(['allocator:expandable_segments=true:"
+        "garbage_collection_threshold=0.6:max_split_size_mb=256']))\n"
+        "print(torch._C._accelerator_getAllocatorSettings())\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=root)
+    assert out.stdout.strip().splitlines()[-1] == ("expandable_segments:True,"
+                                                   "garbage_collection_threshold:0.6,max_split_size_mb:256")
+
+
+@pytest.mark.gpu
+def test_a_cuda_run_applies_and_records_the_settings(tmp_path):
+    db = tmp_path / "a.sqlite"
+    cmd = [sys.executable, "-m", "memstudy", "--db", str(db), "run", "--device", "cuda",
+           "--size", "512", "--steps", "5", "-t", "allocator:expandable_segments=true",
+           "--set", "data.train_images=5", "--set", "train.validate=false"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    from memstudy.store import ResultsDB
+
+    run = ResultsDB(db).runs()[-1]
+    env = json.loads(run["env_json"])
+    assert "expandable_segments:True" in env["allocator_settings"]
+    rows = ResultsDB(db).query("SELECT name, value FROM metrics WHERE phase = 'run'")
+    figures = {r["name"]: r["value"] for r in rows}
+    assert figures["fragmentation_bytes"] == (figures["reserved_peak_total_bytes"]
+                                              - figures["alloc_peak_total_bytes"])
