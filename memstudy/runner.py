@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from memstudy import env as envinfo
-from memstudy.budget import apply_budget, budget_bytes
+from memstudy.budget import apply_budget, budget_bytes, recap_after_warmup
 from memstudy.config import RunConfig
 from memstudy.datasets import build_datasets, describe_datasets
 from memstudy.distributed.context import rank_device
@@ -27,6 +27,7 @@ from memstudy.distributed.records import gather_record
 from memstudy.errors import Diverged, PhaseFailure
 from memstudy.meters import PhaseRecorder
 from memstudy.meters.flops import model_flops_per_step, pixel_count
+from memstudy.meters.nvml import EnergyCounter
 from memstudy.quality import min_image_size
 from memstudy.store import ResultsDB, RunRecord
 from memstudy.techniques import canonical
@@ -74,7 +75,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
     if device.type == "cuda":  # what the caching allocator runs with (`allocator`, or inherited)
         record.env["allocator_settings"] = allocator_settings()
     seed_everything(config.train.seed)
-    state, recorder, build = TrainState(), None, None
+    state, recorder, build, energy = TrainState(), None, None, None
     try:
         build = build_pipeline(plan)
         record.env["parameters"] = sum(p.numel() for p in build.model.parameters())
@@ -82,6 +83,10 @@ def execute(config: RunConfig, db: ResultsDB | None,
         recorder = PhaseRecorder(device, build.model, build.runtime, lambda: state.optimizer,
                                  config.meter, cpu_limit_bytes=cpu_limit)
         build.runtime.memory_meter = recorder.budget_meter
+        _recap_budget_after_warmup(build, config, record.env)
+        energy = EnergyCounter.open(device)  # None on the CPU: energy_j is then absent
+        if energy is not None:
+            energy.start()
         train(build, train_set, val_set, recorder, state, progress)
     except PhaseFailure as failure:
         oom = isinstance(failure.cause, torch.OutOfMemoryError)
@@ -96,6 +101,8 @@ def execute(config: RunConfig, db: ResultsDB | None,
     finally:
         if recorder is not None:
             recorder.close()
+        if energy is not None:  # the training loop's energy, validation included
+            state.energy_j = energy.joules()
     _fill(record, recorder, state, config, train_set.shapes)
     if build is not None:  # rows recorded by techniques (e.g. tri_accel's control steps)
         record.series = [*record.series, *(r for src in build.runtime.series_sources for r in src())]
@@ -104,6 +111,19 @@ def execute(config: RunConfig, db: ResultsDB | None,
         db.record(record)
     _release(device)
     return record
+
+
+def _recap_budget_after_warmup(build, config: RunConfig, env: dict) -> None:
+    """Once the last warm-up step is done, cap the allocator by the context as it has grown."""
+    last_warmup = config.train.warmup_steps
+    if config.budget is None or build.device.type != "cuda" or last_warmup < 1:
+        return
+
+    def hook(info) -> None:
+        if info.step == last_warmup:
+            env.update(recap_after_warmup(config.budget, build.device))
+
+    build.runtime.step_hooks.append(hook)
 
 
 def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
@@ -116,8 +136,15 @@ def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
     summary = recorder.summary()
     run = summary.setdefault("run", {})
     run["steps"] = state.step
+    limit = budget_bytes(config.budget)
+    if limit is not None and "nvml_peak_total_bytes" in run:  # negative: the device went over
+        run["budget_headroom_bytes"] = limit - run["nvml_peak_total_bytes"]
     run["oom_retries"] = state.oom_retries
-    batch = config.train.batch_size
+    if state.energy_j is not None:
+        run["energy_j"] = state.energy_j
+    if state.target_reached is not None:
+        run["time_to_target_s"], run["steps_to_target"] = state.target_reached
+    batch = config.train.batch_size * _micro_batches(state.series)  # images per optimizer step
     run.update(pixel_count(shapes).figures(batch))  # real pixels, and the padding's overhead
     if "step_time_s" in run:
         run["throughput_px_s"] = run["real_px_per_step"] / run["step_time_s"]  # real pixels only
@@ -128,6 +155,8 @@ def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
         else:
             run["model_flops_per_step"] = flops
             run["model_tflops_s"] = flops / run["step_time_s"] / 1e12
+    if _compiled(config) and "first_step_time_s" in run and "step_time_s" in run:
+        run["compile_time_s"] = run["first_step_time_s"] - run["step_time_s"]
     if _compiled(config) and "first_step_time_s" in run and "step_time_s" in run:
         run["compile_time_s"] = run["first_step_time_s"] - run["step_time_s"]
     record.metrics = [(0, phase, k, v) for phase, figs in summary.items() for k, v in figs.items()]
@@ -143,10 +172,27 @@ def allocator_settings() -> str | None:
     return getter() if getter is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
 
 
+def _compiled(config: RunConfig) -> bool:
+    return any(t.split(":")[0] == "compile" for t in config.techniques)
+
+
+def _micro_batches(series: list[tuple[int, int, str, float]]) -> int:
+    """Micro-batches per optimizer step: the median of the loop's `micro_batches` series
+    (gradient accumulation; adaptive k varies), else 1."""
+    counts = sorted(v for _, _, name, v in series if name == "micro_batches")
+    return int(counts[len(counts) // 2]) if counts else 1
+
+
 def _mean_flops(batch: int, shapes: list[tuple[int, int]]) -> float:
     """Model FLOPs per step (padded size) averaged over the training images' shapes."""
     counts = Counter((h if h == w else (h, w)) for h, w in shapes)
     return sum(n * model_flops_per_step(batch, size) for size, n in counts.items()) / len(shapes)
+
+
+def allocator_settings() -> str | None:
+    """The CUDA caching allocator's settings string ('' = PyTorch's defaults)."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # torch >= 2.9
+    return getter() if getter is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
 
 
 def _describe(exc: BaseException) -> str:

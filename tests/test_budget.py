@@ -74,3 +74,26 @@ def test_cuda_budget_caps_the_allocator(make_config, tmp_path):
     assert 0 < capped.env["memory_fraction"] < 1
     cfg = make_config(1024, validate=False, max_steps=2, device="cuda")
     assert execute(cfg, db).status == "ok"  # the cap is lifted for the next run in the process
+
+
+def test_recap_after_warmup_caps_by_the_grown_context(monkeypatch):
+    """The cap after warm-up is (budget - (NVML used - reserved)) / total, set after freeing."""
+    import memstudy.budget as budget_mod
+    calls = []
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 2 * gib)
+    monkeypatch.setattr(budget_mod, "nvml_used", lambda index: 3 * gib + gib // 4)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: type("P", (), {"total_memory": 80 * gib})())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, i: calls.append(("cap", f, i)))
+    facts = budget_mod.recap_after_warmup("4GiB", torch.device("cuda", 0))
+    context = gib + gib // 4
+    assert facts["cuda_context_after_warmup_bytes"] == context
+    assert calls == ["empty", ("cap", (4 * gib - context) / (80 * gib), 0)]
+    assert facts["allocator_cap_after_warmup_bytes"] == 4 * gib - context
+    assert budget_mod.recap_after_warmup(None, torch.device("cuda", 0)) == {}
+    assert budget_mod.recap_after_warmup("4GiB", torch.device("cpu")) == {}
