@@ -3,11 +3,11 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [lowrank] [overhead] [compile]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [allocator] [lowrank]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / TRIACCEL_ARGS /
-# OVERHEAD_ARGS / COMPILE_ARGS (e.g. "--sizes 2048")
+# OVERHEAD_ARGS / COMPILE_ARGS / ALLOCATOR_ARGS / LOWRANK_ARGS (e.g. "--sizes 2048")
 # replace a benchmark's arguments. Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,9 +47,10 @@ for item in $STEPS; do
         kernels) $PY benchmarks/bench_kernels.py --out "$RES/kernels" 2>&1 | tee "$RES/kernels.log" ;;
         bnlag) $PY benchmarks/bench_bn_lag.py --out "$RES/bnlag" ${BNLAG_ARGS:---size 2048 --steps 24 --precisions fp32,fp16} 2>&1 | tee "$RES/bnlag.log" ;;
         distributed) $PY benchmarks/bench_distributed.py --out "$RES/distributed" ${DIST_ARGS:-} 2>&1 | tee "$RES/distributed.log" ;;
-        lowrank) $PY benchmarks/bench_lowrank.py --out "$RES/lowrank" ${LOWRANK_ARGS:-} 2>&1 | tee "$RES/lowrank.log" ;;
         overhead) $PY benchmarks/bench_overhead.py --out "$RES/overhead" ${OVERHEAD_ARGS:-} 2>&1 | tee "$RES/overhead.log" ;;
-        compile) $PY benchmarks/bench_compile.py --out "$RES/compile" ${COMPILE_ARGS:-} 2>&1 | tee "$RES/compile.log" ;;
+        compile) $PY benchmarks/bench_compile.py --out "$RES/compile" --part compile ${COMPILE_ARGS:---sizes 2048} 2>&1 | tee -a "$RES/compile.log" ;;
+        allocator) $PY benchmarks/bench_compile.py --out "$RES/compile" --part allocator ${ALLOCATOR_ARGS:-} 2>&1 | tee -a "$RES/allocator.log" ;;
+        lowrank) $PY benchmarks/bench_lowrank.py --out "$RES/lowrank" ${LOWRANK_ARGS:-} 2>&1 | tee "$RES/lowrank.log" ;;
         *) echo "unknown step $step" ;;
     esac
 done
