@@ -1,7 +1,10 @@
 """Loss and image-quality figures: 1 - MS-SSIM for training, plus SSIM and PSNR for validation.
 
 All images are in [0, 1] (data_range = 1). The loss is computed in float32 outside
-autocast: MS-SSIM's products of small variances underflow in float16.
+autocast: MS-SSIM's products of small variances underflow in float16. By default it is
+computed in row chunks (memstudy/msssim_chunked.py): pytorch-msssim's value and gradient
+without its full-resolution maps, which at 4188 px saved ~1 GB for backward; with
+train.loss_chunk_rows = 0 pytorch-msssim runs as it is, for comparison.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 from pytorch_msssim import ms_ssim, ssim
 
 from memstudy.errors import ConfigError
+from memstudy.msssim_chunked import chunked_msssim, chunked_ssim_and_msssim
 from memstudy.sizes import size_hw
 
 WIN_SIZE = 11  # pytorch-msssim's default Gaussian window
@@ -41,29 +45,63 @@ def check_image_size(size, scales: int, setting: str = "train.image_size") -> No
                           f"{setting} >= {ok} on each side or fewer train.msssim_scales")
 
 
+LOSS_CHUNK_ROWS = 256  # default train.loss_chunk_rows: map rows per block of the chunked loss
+
+# Objects told when an MSSSIMLoss computation starts / ends and when its input's gradient is
+# ready (meters/loss.py: the recorder's LossMeter subscribes during measured steps).
+loss_observers: list = []
+
+
 class MSSSIMLoss(torch.nn.Module):
-    def __init__(self, scales: int = 5):
+    """1 - MS-SSIM. chunk_rows > 0: the chunked computation (msssim_chunked.py: same value and
+    gradient, the full-resolution maps never stored); 0: pytorch-msssim's own autograd."""
+
+    def __init__(self, scales: int = 5, chunk_rows: int = LOSS_CHUNK_ROWS):
         super().__init__()
         self.weights = msssim_weights(scales)
+        self.chunk_rows = chunk_rows
 
     def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(out.device.type, enabled=False):
-            return 1 - msssim(out.float(), target.float(), self.weights)
+        observers = list(loss_observers)
+        if observers and out.requires_grad:  # the model output's gradient: loss backward done
+            out.register_hook(lambda grad: _notify(observers, "loss_backward_done"))
+        _notify(observers, "loss_started")
+        try:
+            with torch.autocast(out.device.type, enabled=False):
+                return 1 - msssim(out.float(), target.float(), self.weights, self.chunk_rows)
+        finally:
+            _notify(observers, "loss_finished")
 
 
-def msssim(out: torch.Tensor, target: torch.Tensor, weights: list[float]) -> torch.Tensor:
+def _notify(observers: list, event: str) -> None:
+    for observer in observers:
+        getattr(observer, event)()
+
+
+def msssim(out: torch.Tensor, target: torch.Tensor, weights: list[float],
+           chunk_rows: int = 0) -> torch.Tensor:
+    if chunk_rows:
+        return chunked_msssim(out, target, weights, WIN_SIZE, chunk_rows)
     if len(weights) == 1:  # one scale is plain SSIM; pytorch-msssim's ms_ssim needs >= 2
         return ssim(out, target, data_range=1.0, win_size=WIN_SIZE)
     return ms_ssim(out, target, data_range=1.0, win_size=WIN_SIZE, weights=weights)
 
 
 @torch.no_grad()
-def quality(out: torch.Tensor, target: torch.Tensor, scales: int) -> dict[str, float]:
-    """Per-batch mean of the validation figures."""
+def quality(out: torch.Tensor, target: torch.Tensor, scales: int,
+            chunk_rows: int = LOSS_CHUNK_ROWS) -> dict[str, float]:
+    """Per-batch mean of the validation figures. chunk_rows > 0 computes loss and SSIM in one
+    chunked pass (equal to pytorch-msssim's; no full-resolution maps at large images)."""
     out, target = out.float().clamp(0, 1), target.float()
     mse = torch.mean((out - target) ** 2, dim=(1, 2, 3)).clamp_min(1e-12)
+    if chunk_rows:
+        ssim_value, msssim_value = chunked_ssim_and_msssim(out, target, msssim_weights(scales),
+                                                           WIN_SIZE, chunk_rows)
+    else:
+        ssim_value = ssim(out, target, data_range=1.0, win_size=WIN_SIZE)
+        msssim_value = msssim(out, target, msssim_weights(scales))
     return {
-        "loss": float(1 - msssim(out, target, msssim_weights(scales))),
-        "ssim": float(ssim(out, target, data_range=1.0, win_size=WIN_SIZE)),
+        "loss": float(1 - msssim_value),
+        "ssim": float(ssim_value),
         "psnr": float(torch.mean(10 * torch.log10(1.0 / mse))),
     }

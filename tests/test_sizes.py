@@ -145,7 +145,11 @@ def test_non_multiple_sizes_train_on_real_pixels(make_config, monkeypatch, tmp_p
     assert {s[1] for s in seen} == {s[2] for s in seen} == {(1, 1, *hw)}
     assert {s[0] for s in seen} == {"loss", "validation"}
     (run,) = db.runs()
-    figures = db.metrics(run["id"])[(0, "run")]
+    metrics = db.metrics(run["id"])
+    figures = metrics[(0, "run")]
+    # the loss's own memory is recorded as a category of the forward (tensor meter, CPU)
+    assert metrics[(0, "forward")]["cat_loss_saved_bytes"] > 0
+    assert metrics[(0, "forward")]["loss_peak_bytes"] > 0
     real = hw[0] * hw[1]
     padded = (-(-hw[0] // 32) * 32) * (-(-hw[1] // 32) * 32)
     assert figures["real_px_per_step"] == real

@@ -23,8 +23,10 @@ from torch import nn
 
 from memstudy.config import MeterConfig
 from memstudy.meters.nvml import NvmlSampler
+from memstudy.meters.loss import LossMeter
 from memstudy.meters.tensor import LiveTensorMeter, storage_key, unique_storage_bytes
 from memstudy.phases import PHASES
+from memstudy.quality import loss_observers
 from memstudy.runtime import Runtime
 
 TIME_FIGURES = {"time_s"}
@@ -47,6 +49,8 @@ class PhaseRecorder:
         self.in_warmup = True  # set by the training loop; validation passes ignore it
         self._saved: dict[tuple[str, int], tuple[int, Any, torch.device]] = {}
         self._meter: LiveTensorMeter | None = None
+        self.loss_meter = LossMeter(device, lambda: self._meter)  # the loss's own memory
+        self._loss_saved: set[tuple[str, int]] = set()  # saved storages first seen in the loss
         # On the CPU a memory budget is enforced by a tensor meter that stays on for every step.
         self._budget_meter = (LiveTensorMeter(cpu_limit_bytes, self._persistent_bytes())
                               if cpu_limit_bytes is not None and not self.cuda else None)
@@ -72,6 +76,9 @@ class PhaseRecorder:
                 self._saved = {}
                 self.runtime.saved_tensor_observers.append(self._observe_saved)
                 stack.callback(self.runtime.saved_tensor_observers.remove, self._observe_saved)
+                self._loss_saved = set()
+                loss_observers.append(self.loss_meter)
+                stack.callback(loss_observers.remove, self.loss_meter)
             self._measuring = measured
             self._step_id += 1
             first = timed and self.first_step_time is None
@@ -136,11 +143,14 @@ class PhaseRecorder:
         if self._meter is not None:
             self._meter.reset_peak()
             rec["tensor_start_bytes"] = self._meter.current
+        self.loss_meter.phase_start()
 
     def _after(self, name: str, rec: dict[str, float]) -> None:
         if self.cuda:
             start = rec["alloc_start_bytes"]
-            rec["alloc_peak_bytes"] = torch.cuda.max_memory_allocated(self.device) - start
+            # the loss meter may have reset the counter mid-phase: it kept the peak before
+            rec["alloc_peak_bytes"] = (self.loss_meter.phase_peak(
+                torch.cuda.max_memory_allocated(self.device)) - start)
             rec["alloc_held_bytes"] = torch.cuda.memory_allocated(self.device) - start
             rec["reserved_peak_bytes"] = torch.cuda.max_memory_reserved(self.device)
         if self.nvml is not None:
@@ -151,6 +161,7 @@ class PhaseRecorder:
             rec["tensor_peak_bytes"] = self._meter.peak - start
             rec["tensor_held_bytes"] = self._meter.current - start
         rec.update(self._categories())
+        rec.update(self.loss_meter.figures)  # loss_peak_bytes, where the loss ran
         if name == "forward":
             rec["saved_bytes"] = rec["cat_saved_bytes"]
             rec["saved_host_bytes"] = self._saved_bytes(on_device=False)
@@ -158,15 +169,20 @@ class PhaseRecorder:
     def _observe_saved(self, packed: Any) -> None:
         """Saved-tensor observer: remembers each distinct storage kept for backward."""
         if isinstance(packed, torch.Tensor):
-            storage = packed.untyped_storage()
-            self._saved.setdefault(storage_key(packed), (storage.nbytes(), weakref.ref(storage), packed.device))
+            storage, key = packed.untyped_storage(), storage_key(packed)
+            if key not in self._saved and self.loss_meter.active:
+                self._loss_saved.add(key)  # saved by the loss, not the model
+            self._saved.setdefault(key, (storage.nbytes(), weakref.ref(storage), packed.device))
 
-    def _saved_bytes(self, on_device: bool) -> int:
+    def _saved_bytes(self, on_device: bool, of_loss: bool = False) -> int:
+        """Live saved storages (parameters excluded) here or on the host, the model's or
+        (of_loss) the loss's."""
         params = self._param_keys()
         total = 0
         for key, (nbytes, ref, device) in self._saved.items():
             here = device.type == self.device.type
-            if ref() is not None and key not in params and here == on_device:
+            mine = (key in self._loss_saved) == of_loss
+            if ref() is not None and key not in params and here == on_device and mine:
                 total += nbytes
         return total
 
@@ -190,7 +206,8 @@ class PhaseRecorder:
         cats = {"cat_params_bytes": unique_storage_bytes(_param_tensors(self.model)),
                 "cat_grads_bytes": unique_storage_bytes(self._grads()),
                 "cat_optimizer_bytes": unique_storage_bytes(self._opt_state()),
-                "cat_saved_bytes": self._saved_bytes(on_device=True)}
+                "cat_saved_bytes": self._saved_bytes(on_device=True),
+                "cat_loss_saved_bytes": self._saved_bytes(on_device=True, of_loss=True)}
         live = (torch.cuda.memory_allocated(self.device) if self.cuda
                 else self._meter.current if self._meter is not None else None)
         if live is not None:

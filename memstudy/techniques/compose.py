@@ -134,7 +134,7 @@ def build_pipeline(plan: Plan) -> Build:
     reset_global_numerics()
     apply_tuning(config)
     runtime = Runtime(device=plan.device, batch_size=config.train.batch_size,
-                      loss_fn=MSSSIMLoss(config.train.msssim_scales),
+                      loss_fn=MSSSIMLoss(config.train.msssim_scales, config.train.loss_chunk_rows),
                       optimizer_factory=default_optimizer(config))
     model = build_unet(config.encoder_weights, seed=config.train.seed)
     build = Build(config=config, plan=plan, model=model, runtime=runtime, device=plan.device)
