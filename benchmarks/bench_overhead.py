@@ -11,7 +11,8 @@ For each technique set (original, amp:bf16, amp:bf16+checkpoint) and size (2048,
   bf16 autocast for amp:bf16, non-reentrant torch.utils.checkpoint around every residual
   and decoder block for checkpoint (what `checkpoint:block` places);
 - memstudy: `memstudy.runner.execute` of the same configuration (its defaults on CUDA:
-  channels_last and cudnn.benchmark on), whose `step_time_s` is the median plain step.
+  channels_last and cudnn.benchmark on; train.loss_chunk_rows = 0, so the loss is
+  pytorch-msssim's, as in the loop), whose `step_time_s` is the median plain step.
 Both time a step the same way: warm-up steps excluded, `torch.cuda.synchronize()` before and
 after, the step being forward + loss, backward, optimizer step, zero_grad and `loss.item()`
 (batch preparation is outside the timed step in both). The ratio memstudy / loop is the
@@ -97,6 +98,8 @@ def time_memstudy(size: int, techniques: list[str], warmup: int, steps: int) -> 
     cfg.train.warmup_steps, cfg.train.measure_steps = warmup, 1
     cfg.train.max_steps = warmup + 1 + steps
     cfg.data.train_images, cfg.data.val_images = 4, 1  # phantoms are reused over epochs
+    if hasattr(cfg.train, "loss_chunk_rows"):  # the loop's loss: pytorch-msssim's own autograd
+        cfg.train.loss_chunk_rows = 0
     cfg.train.epochs = cfg.train.max_steps
     rec = execute(cfg, db=None)
     if rec.status != "ok":

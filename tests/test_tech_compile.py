@@ -12,17 +12,14 @@ from memstudy.meters import PhaseRecorder
 from memstudy.runner import execute
 from memstudy.techniques.compose import make_plan
 
-# Inductor's fused CPU kernels reorder float32 sums (BatchNorm statistics, convolution
-# reductions, the loss's filters); measured at 192 px the largest gradient difference is
-# ~1e-4 of the largest gradient of the same parameter, so the check allows 2e-3 of it.
-GRAD_TOLERANCE = 2e-3
+# Tolerances. The U-Net's float32 gradient at batch 1 is ill-conditioned (BatchNorm over the
+# small deep maps): measured at 192 px, eager float32 differs from eager float64 by 0.9%
+# (relative L2 over all parameters) and eager NCHW from eager NHWC by 1.6%, so no fixed tight
+# float32 tolerance separates a correct compiled graph from a reordered sum. The check is
+# instead that the compiled float32 gradient is as close to the float64 one as eager float32's
+# is, within GRAD_FACTOR; a wrong graph is off by orders of magnitude more.
+GRAD_FACTOR = 2.0
 LOSS_TOLERANCE = 1e-5
-
-
-def _dynamo_frames() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 def cpu_config(techniques: list[str], **train):
@@ -31,46 +28,72 @@ def cpu_config(techniques: list[str], **train):
     return cfg
 
 
-def measured_step(techniques: list[str]):
-    """One measured forward + backward at 192 px on a fixed batch: loss, gradients, forward
-    figures and the build."""
-    from memstudy.techniques.compose import build_pipeline
-
-    build = build_pipeline(make_plan(cpu_config(techniques)))
-    recorder = PhaseRecorder(build.device, build.model, build.runtime, lambda: None,
-                             MeterConfig(tensor="off"))
+def _batch(dtype=torch.float32):
     gen = torch.Generator().manual_seed(7)
     x, y = torch.rand(1, 1, 192, 192, generator=gen), torch.rand(1, 1, 192, 192, generator=gen)
+    return x.to(dtype), y.to(dtype)
+
+
+def _mse_grads(model, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Parameter gradients of a smooth loss (no MS-SSIM clamps) on the fixed batch."""
+    x, y = _batch(dtype)
+    for p in model.parameters():
+        p.grad = None
+    ((model(x) - y) ** 2).mean().backward()
+    return {n: p.grad.detach().double() for n, p in model.named_parameters()}
+
+
+def _relative_l2(a: dict, b: dict) -> float:
+    num = sum(((a[n] - b[n]) ** 2).sum() for n in b) ** 0.5
+    return (num / sum((g ** 2).sum() for g in b.values()) ** 0.5).item()
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _measured_forward(build):
+    """One measured forward + backward of the pipeline (MS-SSIM loss) on the fixed batch."""
+    recorder = PhaseRecorder(build.device, build.model, build.runtime, lambda: None,
+                             MeterConfig(tensor="off"))
     recorder.in_warmup = False
+    x, y = _batch()
     with recorder.step(measured=True):
         with recorder.phase("forward"):
             loss = build.runtime.forward(build.model, x, y)
         with recorder.phase("backward"):
             build.runtime.backward(loss)
-    grads = {n: p.grad.detach().clone() for n, p in build.model.named_parameters()}
-    return loss.item(), grads, recorder.summary()["forward"], build
+    return loss.item(), recorder.summary()["forward"]
 
 
 @pytest.mark.slow
 def test_compiled_step_runs_on_the_cpu_with_eager_gradients():
-    """Inductor on the CPU (C++ kernels); compile time on 2 cores is about a minute."""
-    import torch._dynamo
+    """Inductor on the CPU (C++ kernels): one compilation, about a minute on 2 cores."""
+    import copy
 
-    torch._dynamo.reset()
-    eager_loss, eager_grads, _, _ = measured_step([])
-    graphs_before = _dynamo_frames()
-    loss, grads, forward, build = measured_step(["compile"])
-    assert _dynamo_frames() > graphs_before, "the model was not compiled"
-    assert build.notes["compile"]["mode"] == "default"
-    assert loss == pytest.approx(eager_loss, rel=LOSS_TOLERANCE)
-    assert grads.keys() == eager_grads.keys()  # compiled in place: same names
-    worst = 0.0
-    for name, grad in eager_grads.items():
-        scale = grad.abs().max().item() or 1.0
-        worst = max(worst, (grads[name] - grad).abs().max().item() / scale)
-    assert worst <= GRAD_TOLERANCE, worst
-    # the measured step saw what the compiled graph saves for backward
+    from memstudy.models import build_unet
+    from memstudy.techniques.compose import build_pipeline
+
+    build = build_pipeline(make_plan(cpu_config(["compile"])))  # resets Dynamo
+    eager32 = build_unet(None, seed=0)  # the pipeline's initial weights
+    eager64 = copy.deepcopy(eager32).double()
+    compiled = _mse_grads(build.model)
+    assert _unique_graphs() > 0, "the model was not compiled"
+    reference = _mse_grads(eager64, torch.float64)
+    eager_error = _relative_l2(_mse_grads(eager32), reference)
+    compiled_error = _relative_l2(compiled, reference)
+    assert compiled.keys() == reference.keys()  # compiled in place: same parameter names
+    assert compiled_error <= GRAD_FACTOR * eager_error, (compiled_error, eager_error)
+    # A measured step of the pipeline on the compiled model: the saved-tensor observer sees
+    # what the compiled graph saves, and causes no recompilation.
+    graphs = _unique_graphs()
+    loss, forward = _measured_forward(build)
+    assert _unique_graphs() == graphs
     assert forward["saved_bytes"] > 0
+    eager_loss, _ = _measured_forward(build_pipeline(make_plan(cpu_config([]))))
+    assert loss == pytest.approx(eager_loss, rel=LOSS_TOLERANCE)
 
 
 def test_compile_run_records_its_compile_time():
@@ -84,7 +107,7 @@ def test_compile_run_records_its_compile_time():
     assert run["first_step_time_s"] > run["step_time_s"]
     assert run["compile_time_s"] == pytest.approx(run["first_step_time_s"] - run["step_time_s"])
     assert rec.config["techniques"] == ["compile:mode=default:memory_budget=1.0:dynamic=False:"
-                                        "fullgraph=False:loss=True:backend=aot_eager"]
+                                        "fullgraph=False:backend=aot_eager"]
 
 
 @pytest.mark.parametrize("spec, fragment", [
@@ -104,7 +127,7 @@ def test_bad_options_are_refused_by_name(spec, fragment):
         make_plan(cpu_config([spec]))
 
 
-@pytest.mark.parametrize("other", ["tri_accel", "invertible", "quantization"])
+@pytest.mark.parametrize("other", ["tri_accel", "invertible", "quantization", "checkpoint"])
 def test_unsupported_combinations_are_refused_by_name(other):
     with pytest.raises(ConfigError, match=f"compile with {other} is not supported"):
         make_plan(cpu_config(["compile", other]))
@@ -147,3 +170,26 @@ def test_memory_budget_is_set_for_the_partitioner():
     assert torch._functorch.config.activation_memory_budget == 0.25
     build_pipeline(make_plan(cpu_config(["compile"])))
     assert torch._functorch.config.activation_memory_budget == 1.0  # not inherited
+
+
+def _cuda_run(techniques: list[str], size: int = 1024):
+    cfg = small_config(size, techniques=techniques, max_steps=5, validate=False)
+    cfg.train.device = "cuda"
+    cfg.data.train_images = 5
+    rec = execute(cfg, db=None)
+    assert rec.status == "ok", (techniques, rec.failed_phase, rec.error)
+    return {(phase, name): value for _, phase, name, value in rec.metrics}
+
+
+@pytest.mark.gpu
+def test_memory_budget_lowers_saved_activations_on_cuda():
+    full = _cuda_run(["amp:bf16", "compile"])
+    budget = _cuda_run(["amp:bf16", "compile:memory_budget=0.2"])
+    assert budget[("forward", "saved_bytes")] < 0.8 * full[("forward", "saved_bytes")]
+    assert full[("run", "compile_time_s")] > 0
+
+
+@pytest.mark.gpu
+def test_compile_composes_with_offload_on_cuda():
+    figures = _cuda_run(["amp:bf16", "offload", "compile"])
+    assert figures[("forward", "saved_host_bytes")] > 0  # offload's hooks saw the compiled graph

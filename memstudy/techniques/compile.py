@@ -1,11 +1,11 @@
-"""compile: `torch.compile` of the model (and the loss): fused kernels and a memory-budgeted
-choice of what to save for backward.
+"""compile: `torch.compile` of the model: fused kernels and a memory-budgeted choice of what to
+save for backward.
 
 Memory / compute trade-off. TorchDynamo captures the forward as a graph, AOTAutograd derives
 the backward and splits the joint graph into a forward and a backward with the min-cut
 partitioner, and Inductor generates fused kernels (Triton on a GPU, C++/OpenMP on the CPU).
-- Time: fused pointwise ops (BatchNorm, ReLU, additions, the loss's filters) read and write
-  memory once instead of once per op; `mode` trades compile time for run time (autotuned
+- Time: fused pointwise ops (BatchNorm, ReLU, additions) read and write memory once instead
+  of once per op; `mode` trades compile time for run time (autotuned
   matmul/convolution templates, CUDA graphs that remove launch overhead).
 - Memory: the partitioner saves for backward only what is cheaper to keep than to recompute;
   fused intermediates are never materialised. `memory_budget` (PyTorch's
@@ -19,16 +19,17 @@ partitioner, and Inductor generates fused kernels (Triton on a GPU, C++/OpenMP o
   under `max-autotune`, its autotuning buffers) are in the validation figures.
 
 How: `nn.Module.compile` compiles the model in place (same module, same parameter names, so
-the PARALLEL stage and the meters see the module they expect); the loss module is replaced by
-its compiled version when `loss` is on. The activation techniques run before (compose.py), so
-their hooks and wrappers are what gets traced: checkpoint regions become recomputation in the
-compiled graph, and offload's saved-tensor hooks act on what the compiled graph saves.
+the PARALLEL stage and the meters see the module they expect). offload's saved-tensor hooks
+act on what the compiled graph saves. The loss stays eager: memstudy's MS-SSIM loss notifies
+the loss meter during measured steps and, chunked (train.loss_chunk_rows), calls
+torch.autograd.grad itself; TorchDynamo would break the graph there and recompile when the
+meter subscribes, so a compiled loss would be measured in another form than it is timed.
 
 Refused (with the reason in the message): combinations whose inputs change shape or whose
 code changes between steps (tri_accel's elastic batch and per-unit precision, a last batch
 of another size, native image sizes: each would recompile inside the measured or timed
 steps, or silently fall back to eager after the recompile limit), structures it cannot trace
-faithfully here (invertible, quantization, mp, pipeline, fsdp; any technique not in
+faithfully here (checkpoint, invertible, quantization, mp, pipeline, fsdp; any technique not in
 COMPOSES_WITH is refused until verified), CUDA graphs where they
 cannot work (on the CPU, with offload's host copies), and a missing backend (no C++ compiler
 for Inductor on the CPU, no usable Triton on the GPU).
@@ -50,13 +51,16 @@ BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
 MINCUT_BACKENDS = ("inductor", "aot_eager_decomp_partition")
 # Techniques verified to compose with compile (tests/test_tech_compile.py, the registry
 # test and benchmarks/bench_compile.py); any other is refused by name.
-COMPOSES_WITH = ("amp", "checkpoint", "offload", "dp", "zero", "allocator")
+COMPOSES_WITH = ("amp", "offload", "dp", "zero", "allocator")
 # Why some cannot be compiled faithfully here.
 NOT_COMPOSABLE = {
     "tri_accel": "its elastic batch changes the input shape and its adaptive precision the "
                  "autocast of each unit between steps (each change recompiles inside timed "
                  "steps), and its curvature needs double backward, which compiled graphs do "
                  "not support",
+    "checkpoint": "its regions pass a context_fn (which restores BatchNorm statistics after "
+                  "recomputation) that TorchDynamo cannot trace; compile:memory_budget < 1 makes "
+                  "the partitioner recompute in backward instead",
     "invertible": "momentumnet's reversible blocks rebuild activations in a hand-written "
                   "autograd.Function backward; memstudy has not verified that a compiled "
                   "graph keeps what they save and their gradients",
@@ -83,8 +87,6 @@ class Options:
         "help": "symbolic shapes (one graph for many sizes) instead of one graph per shape"})
     fullgraph: bool = field(default=False, metadata={
         "help": "refuse graph breaks: the run fails where the model cannot be one graph"})
-    loss: bool = field(default=True, metadata={
-        "help": "compile the MS-SSIM loss too (its Gaussian filters and products fuse)"})
     backend: str = field(default="inductor", metadata={
         "choices": BACKENDS,
         "help": "inductor generates kernels; aot_eager(_decomp_partition) run the captured "
@@ -201,6 +203,13 @@ def cpp_compiler() -> str | None:
 
 
 def apply(opts: Options, build: Build) -> None:
+    import torch._dynamo
+
+    # Each run compiles from scratch: graphs of an earlier run in this process (tests,
+    # notebooks) would otherwise count towards the recompile limit of the same code.
+    torch._dynamo.reset()
+    # Past that limit Dynamo silently runs the frame eagerly; a study must fail instead.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     # Read by AOTAutograd's partitioner when the graphs compile (the first step). Set on every
     # compile run so that a run never inherits an earlier run's budget in this process.
     torch._functorch.config.activation_memory_budget = opts.memory_budget
@@ -208,11 +217,9 @@ def apply(opts: Options, build: Build) -> None:
     if opts.backend == "inductor":
         kwargs["mode"] = opts.mode
     build.model.compile(**kwargs)
-    if opts.loss:
-        build.runtime.loss_fn = torch.compile(build.runtime.loss_fn, **kwargs)
     build.notes["compile"] = {"mode": opts.mode, "memory_budget": opts.memory_budget,
                               "dynamic": opts.dynamic, "fullgraph": opts.fullgraph,
-                              "loss": opts.loss, "backend": opts.backend}
+                              "backend": opts.backend}
 
 
 register(Technique("compile", Stage.COMPILE, Options,
