@@ -52,6 +52,14 @@ class TrainConfig:
     channels_last: bool | None = None  # weights and batches in channels_last (NHWC) layout
     cudnn_benchmark: bool | None = None  # torch.backends.cudnn.benchmark: cuDNN times its
     # convolution algorithms for each new shape (in warm-up) and keeps the fastest
+    # Training policy (seeds/002 III.C, memstudy/policy.py, docs/techniques/accumulate.md):
+    lr_schedule: str = "constant"  # constant, or warmup_cosine (eq. 10) over the run's steps
+    lr_warmup_steps: int = 0  # warmup_cosine: linear warm-up steps (the paper: ~5% of steps)
+    lr_min_ratio: float = 0.1  # warmup_cosine: eta_min / eta_base (the paper: 0.1)
+    lr_scaling: str = "none"  # none, or linear: lr x B_eff / lr_base_batch (eq. 11)
+    lr_base_batch: int | None = None  # B_base of eq. 11; unset: train.batch_size
+    clip_norm: float | None = None  # tau of eq. 12: clip the total gradient norm; unset: off
+    target_val_loss: float | None = None  # time_to_target_s: first validation at or below it
 
     def resolve_tuning(self) -> None:
         """Fill unset channels_last / cudnn_benchmark: on for CUDA, off on the CPU."""
@@ -94,6 +102,8 @@ class TrainConfig:
             raise ConfigError(f"train.loss_chunk_rows must be >= 0, 0 = unchunked (got "
                               f"{self.loss_chunk_rows})")
         self.check_tuning()
+        # train.lr_schedule / lr_scaling / clip_norm: policy.check_settings, run by make_plan
+        # (the config layer imports nothing above it: tests/test_architecture.py)
 
 
 def cuda_selected(device: str) -> bool:

@@ -1,9 +1,12 @@
 """Runtime policies of one training step: what techniques change without touching the model.
 
-The training loop calls `forward`, `backward` and `step` as three measured phases.
-Techniques add to the runtime: contexts entered around the forward (autocast),
-transforms of tensors saved for backward (offload), a gradient scaler, an optimizer
-factory (ZeRO), hooks after each step (controllers), and the current batch size.
+The training loop calls `forward`, `backward` and `step` as three measured phases; with
+gradient accumulation (`micro_batches` = k > 1) forward and backward run once per micro-batch
+and `step` once per optimizer step. Techniques add to the runtime: contexts entered around
+the forward (autocast), transforms of tensors saved for backward (offload), a gradient scaler,
+an optimizer factory (ZeRO), hooks after each micro-batch's backward (adaptive accumulation),
+before the optimizer step (gradient clipping) and after each step (controllers), and the
+current batch size and micro-batch count.
 """
 from __future__ import annotations
 
@@ -61,8 +64,19 @@ class StepInfo:
     step: int  # optimizer steps taken so far, this one included
     epoch: int
     loss: float
-    batch_size: int
+    batch_size: int  # images of the step on this rank (all micro-batches together)
     optimizer: torch.optim.Optimizer
+    micro_batches: int = 1  # forward + backward passes accumulated into this step
+
+
+@dataclass
+class MicroBatch:
+    """One forward + backward of an optimizer step (gradient accumulation, eq. 4 of seeds/002)."""
+    step: int  # the optimizer step it belongs to (1-based: the step being taken)
+    index: int  # 0 .. count - 1
+    count: int  # micro-batches of this step (the last step of an epoch may have fewer than k)
+    images: int  # images of this micro-batch on this rank
+    weight: float  # its loss's factor: images / images of the step (1/k for equal micro-batches)
 
 
 @dataclass
@@ -95,6 +109,13 @@ class Runtime:
     # Replaces forward + backward of a step (pipeline schedules fuse them): (model, x, y) ->
     # detached loss; recorded as one phase, "forward_backward".
     forward_backward: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Gradient accumulation: micro-batches of `batch_size` images per optimizer step (k). A hook
+    # may change it between steps (adaptive accumulation); the loop draws k * batch_size images.
+    micro_batches: int = 1
+    # Called inside each micro-batch's backward phase, after the backward (adaptive k's statistics).
+    micro_batch_hooks: list[Callable[[MicroBatch], None]] = field(default_factory=list)
+    # Called by `step` before the optimizer step, gradients complete (gradient clipping).
+    pre_step_hooks: list[Callable[[torch.optim.Optimizer], None]] = field(default_factory=list)
 
     def add_saved_tensor_transform(self, pack: PackHook, unpack: UnpackHook, owner: str) -> None:
         if owner not in TRANSFORM_POSITIONS:
@@ -153,6 +174,8 @@ class Runtime:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
+        for hook in self.pre_step_hooks:
+            hook(optimizer)
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()

@@ -3,6 +3,16 @@
 Batches are drawn with the runtime's current batch size, so a controller may change it
 between steps. Warm-up steps run unmeasured; the next `measure_steps` are measured phase by
 phase; the rest are plain: timed as a whole, with no meter (their time is `step_time_s`).
+
+Gradient accumulation (`runtime.micro_batches` = k, the `accumulate` technique): a step is one
+*optimizer* step. It draws k micro-batches of `batch_size` images (consecutive in the epoch's
+order, so together they are exactly the images a k-times larger batch would take), runs a
+`forward` and a `backward` phase per micro-batch (each loss scaled by its share of the step's
+images, 1/k for equal micro-batches: eq. 4 of seeds/002) and one `step` phase. Warm-up,
+measured steps, `max_steps` and the step series all count optimizer steps. With k > 1 the
+micro-batches wait on the host and each is copied to the device just before its forward, so
+only one micro-batch of inputs is on the device at a time; the copy is part of the step's
+time (outside every phase). With k = 1 the batch is on the device before the step, as always.
 """
 from __future__ import annotations
 
@@ -17,7 +27,7 @@ import torch
 from memstudy.errors import ConfigError, Diverged, PhaseFailure
 from memstudy.meters import PhaseRecorder
 from memstudy.quality import quality
-from memstudy.runtime import StepInfo
+from memstudy.runtime import MicroBatch, StepInfo
 from memstudy.techniques import shards_batch
 from memstudy.techniques.base import Build
 
@@ -31,6 +41,11 @@ class TrainState:
     series: list[tuple[int, int, str, float]] = field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None
     oom_retries: int = 0
+    started: float | None = None  # perf_counter when the first training step began
+    # (seconds since `started`, optimizer steps) when validation first reached
+    # train.target_val_loss; None while it has not
+    target_reached: tuple[float, int] | None = None
+    energy_j: float | None = None  # GPU energy of the training loop (NVML), set by the runner
 
 
 def make_batch(dataset, indices: list[int], device: torch.device,
@@ -38,12 +53,22 @@ def make_batch(dataset, indices: list[int], device: torch.device,
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The images `indices` of `dataset` as one batch on `device` (in `memory_format`:
     channels_last when train.channels_last is on, to match the model's weights)."""
+    return to_device(host_batch(dataset, indices, device), device, memory_format)
+
+
+def host_batch(dataset, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images and targets stacked on the host (pinned when they will go to a GPU)."""
     items = [dataset[i] for i in indices]
     x = torch.stack([it[0] for it in items])
     y = torch.stack([it[1] for it in items])
     if device.type == "cuda":
         x, y = x.pin_memory(), y.pin_memory()
-    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    return x, y
+
+
+def to_device(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
+              memory_format: torch.memory_format) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = (t.to(device, non_blocking=True) for t in batch)
     return x.contiguous(memory_format=memory_format), y.contiguous(memory_format=memory_format)
 
 
@@ -59,32 +84,39 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
     in_device = rt.input_device or build.device
     first_measured, last_measured = cfg.warmup_steps, cfg.warmup_steps + cfg.measure_steps
     total = cfg.max_steps or math.inf
+    state.started = time.perf_counter()
     for epoch in range(cfg.epochs):
         state.epoch = epoch
         model.train()
         t0, losses, pos = time.perf_counter(), [], 0
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed + epoch))
         while pos < len(order) and state.step < total:
-            chunk = _global_batch(order, pos, rt)
-            if chunk is None:
+            pieces = _step_pieces(order, pos, rt)
+            if not pieces:
                 break
-            indices = chunk[rt.shard[0]::rt.shard[1]].tolist()
-            x, y = make_batch(train_set, indices, in_device, input_format(cfg))
+            parts = [piece[rt.shard[0]::rt.shard[1]].tolist() for piece in pieces]
+            batches = [host_batch(train_set, indices, in_device) for indices in parts]
+            if len(batches) == 1:  # no accumulation: on the device before the step, as ever
+                batches = [to_device(batches[0], in_device, input_format(cfg))]
             measured = first_measured <= state.step < last_measured
             recorder.in_warmup = state.step < first_measured
             try:
-                loss = _train_step(model, rt, optimizer, recorder, state, x, y, measured)
+                loss = _train_step(model, rt, optimizer, recorder, state, batches,
+                                   (in_device, input_format(cfg)), measured)
             except PhaseFailure as failure:
                 if not _retry_after_oom(failure, rt, optimizer, state):
                     raise
                 continue
-            pos += len(chunk)
+            pos += sum(len(piece) for piece in pieces)
             state.step += 1
             losses.append(loss)
             state.series.append((rt.rank, state.step, "loss", loss))
-            state.series.append((rt.rank, state.step, "batch_size", len(indices)))
-            info = StepInfo(step=state.step, epoch=epoch, loss=loss, batch_size=len(indices),
-                            optimizer=optimizer)
+            state.series.append((rt.rank, state.step, "batch_size", len(parts[0])))
+            if len(parts) > 1 or rt.micro_batches > 1:
+                state.series.append((rt.rank, state.step, "micro_batches", len(parts)))
+            info = StepInfo(step=state.step, epoch=epoch, loss=loss,
+                            batch_size=sum(len(indices) for indices in parts),
+                            optimizer=optimizer, micro_batches=len(parts))
             for hook in rt.step_hooks:
                 hook(info)
             if progress and (state.step % 10 == 0 or state.step == 1):
@@ -94,6 +126,7 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
                   "time_s": time.perf_counter() - t0}
         if cfg.validate:
             record.update(validate(build, val_set, recorder, state.step))
+            _check_target(record["val_loss"], cfg.target_val_loss, state)
         state.epochs.append(record)
         if progress:
             progress(_epoch_line(record, cfg.epochs))
@@ -102,14 +135,28 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
     return state
 
 
-def planned_steps(config, train_images: int) -> int:
-    """Optimizer steps the run will take (at its initial batch size; an elastic batch takes fewer)."""
+def _check_target(val_loss: float, target: float | None, state: TrainState) -> None:
+    """Time to target: wall time from the first training step until the end of the first
+    validation pass whose loss is at or below train.target_val_loss."""
+    if target is not None and state.target_reached is None and val_loss <= target:
+        state.target_reached = (time.perf_counter() - state.started, state.step)
+
+
+def planned_steps(config, train_images: int, most_micro_batches: bool = False) -> int:
+    """Optimizer steps the run will take (at its initial batch size; an elastic batch takes fewer).
+
+    With gradient accumulation a step takes k micro-batches of train.batch_size images: at the
+    initial k, or with `most_micro_batches` at the largest k adaptive accumulation may use
+    (the fewest steps the run can take)."""
+    from memstudy.techniques.accumulate import micro_batches_per_step
+
     cfg = config.train
     if shards_batch(config.techniques):  # declared by the technique (context.shard_batch):
         # data-parallel ranks drop an incomplete last global batch
-        per_epoch = train_images // cfg.batch_size
+        pieces = train_images // cfg.batch_size
     else:
-        per_epoch = math.ceil(train_images / cfg.batch_size)
+        pieces = math.ceil(train_images / cfg.batch_size)
+    per_epoch = math.ceil(pieces / micro_batches_per_step(config, most=most_micro_batches))
     return min(cfg.epochs * per_epoch, cfg.max_steps or math.inf)
 
 
@@ -119,46 +166,74 @@ def check_measurable(config, train_images: int) -> None:
     Fewer steps than warm-up + measure_steps is allowed: the steps after warm-up are all measured
     (a large measure_steps means "measure every step")."""
     cfg = config.train
-    steps = planned_steps(config, train_images)
+    # adaptive accumulation may take its largest k: count the fewest steps the run can take
+    steps = planned_steps(config, train_images, most_micro_batches=True)
     if steps <= cfg.warmup_steps:
         raise ConfigError(
             f"this run takes {steps} optimizer step(s) ({cfg.epochs} epoch(s) of {train_images} "
-            f"training images at batch {cfg.batch_size}{_cap(cfg)}) and train.warmup_steps = "
-            f"{cfg.warmup_steps} leaves none to measure: raise train.epochs or "
-            "data.train_images, or lower train.warmup_steps")
+            f"training images at batch {cfg.batch_size}{_cap(cfg)}{_accumulation(config)}) and "
+            f"train.warmup_steps = {cfg.warmup_steps} leaves none to measure: raise train.epochs "
+            "or data.train_images, or lower train.warmup_steps")
 
 
 def _cap(cfg) -> str:
     return f", train.max_steps = {cfg.max_steps}" if cfg.max_steps else ""
 
 
-def _global_batch(order: torch.Tensor, pos: int, rt) -> torch.Tensor | None:
-    """The next global batch; data parallel ranks take interleaved shards of it (as
-    DistributedSampler does), and an incomplete last one is dropped so every rank steps."""
-    count = rt.shard[1]
-    chunk = order[pos:pos + rt.batch_size * count]
-    return None if count > 1 and len(chunk) < rt.batch_size * count else chunk
+def _accumulation(config) -> str:
+    from memstudy.techniques.accumulate import micro_batches_per_step
+
+    k = micro_batches_per_step(config, most=True)
+    return f", {k} micro-batches per step" if k > 1 else ""
 
 
-def _train_step(model, rt, optimizer, recorder, state, x, y, measured) -> float:
-    """One step. The loss is read (`.item()`, a host sync) once, after the optimizer step, as
-    a hand-written loop that logs its loss does: reading it between phases would stall the
-    GPU while the CPU launches the next phase. A non-finite loss is still reported in the
-    phase that produced it."""
+def _step_pieces(order: torch.Tensor, pos: int, rt) -> list[torch.Tensor]:
+    """The next optimizer step's global micro-batches: up to `micro_batches` pieces of
+    batch_size * ranks images. Data parallel ranks take interleaved shards of each piece (as
+    DistributedSampler does), and an incomplete last piece is dropped so every rank steps."""
+    size, count = rt.batch_size * rt.shard[1], rt.shard[1]
+    pieces = list(order[pos:pos + size * rt.micro_batches].split(size))
+    if count > 1 and pieces and len(pieces[-1]) < size:
+        pieces.pop()
+    return pieces
+
+
+def _train_step(model, rt, optimizer, recorder, state, batches, placement, measured) -> float:
+    """One optimizer step over the micro-batches `batches` (one without accumulation).
+
+    The loss is read (`.item()`, a host sync) once, after the optimizer step, as a hand-written
+    loop that logs its loss does: reading it between phases would stall the GPU while the CPU
+    launches the next phase. A non-finite loss is still reported in the phase that produced it.
+    The step's loss is the micro-batch losses weighted by their share of the step's images."""
     phase = "forward"
     try:
         with recorder.step(measured):
             if rt.forward_backward is not None:  # a pipeline schedule: one fused phase
                 phase = "forward_backward"
+                (x, y), = batches  # accumulate refuses pipeline: always one micro-batch
                 with recorder.phase(phase):
                     loss = rt.forward_backward(model, x, y)
             else:
-                with recorder.phase("forward"):
-                    loss = rt.forward(model, x, y)
-                phase = "backward"
-                with recorder.phase("backward"):
-                    rt.backward(loss)
-                loss = loss.detach()  # the graph is gone; keep only the value
+                images, loss = sum(len(b[0]) for b in batches), 0.0
+                for index, batch in enumerate(batches):
+                    x, y = to_device(batch, *placement) if len(batches) > 1 else batch
+                    micro = MicroBatch(state.step + 1, index, len(batches), len(x), len(x) / images)
+                    # DDP: all-reduce only in the last micro-batch's backward (the gradients
+                    # are summed locally before it, so the reduced result is the same)
+                    last = index == len(batches) - 1
+                    quiet = hasattr(model, "no_sync") and not last
+                    with model.no_sync() if quiet else contextlib.nullcontext():
+                        phase = "forward"
+                        with recorder.phase("forward"):
+                            part = rt.forward(model, x, y)
+                        phase = "backward"
+                        with recorder.phase("backward"):
+                            rt.backward(part if micro.weight == 1 else part * micro.weight)
+                            for hook in rt.micro_batch_hooks:
+                                hook(micro)
+                    del x, y
+                    # the graph is gone; keep only the value
+                    loss = part.detach() if micro.weight == 1 else loss + part.detach() * micro.weight
             phase = "step"
             with recorder.phase("step"):
                 rt.step(optimizer)

@@ -1,4 +1,6 @@
-"""Learning-rate schedules for split models, stepped after every optimizer step.
+"""Learning-rate schedules: the run-wide warmup + cosine of seeds/002 (eq. 10, used by
+`train.lr_schedule` through memstudy/policy.py), and the schedulers of split models, stepped
+after every optimizer step.
 
 The study could not use a scheduler under model parallelism (its cross-node setup kept no
 ordinary optimizer per node). Here every rank owns a plain optimizer over its half, so a
@@ -16,6 +18,17 @@ from memstudy.runtime import StepInfo
 
 SCHEDULERS = ("none", "cosine", "step")
 STEP_GAMMA = 0.5  # `step`: halve the learning rate once per epoch
+
+
+def warmup_cosine(t: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Eq. 10 of seeds/002 as a factor of eta_base for optimizer step t (1-based: the first
+    step is t = 1, so warm-up never takes a step at lr 0):
+    t / warmup for t <= warmup, else min_ratio + (1 - min_ratio) * 0.5 * (1 + cos(pi * (t -
+    warmup) / (total - warmup))), which ends at eta_min = min_ratio * eta_base at t = total."""
+    if t <= warmup:
+        return t / warmup
+    progress = min(1.0, (t - warmup) / (total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def steps_per_epoch(config) -> int:

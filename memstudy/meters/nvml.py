@@ -56,3 +56,41 @@ class NvmlSampler:
         self._stop.set()
         self._active.set()
         self._thread.join(timeout=1)
+
+
+class EnergyCounter:
+    """The GPU's total energy counter: `nvmlDeviceGetTotalEnergyConsumption`, in mJ since the
+    driver was loaded (Volta and newer). A run's energy is the difference of two readings; it
+    is the whole board's, so another process on the same GPU adds to it."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.start_mj: int | None = None
+
+    @classmethod
+    def open(cls, device: torch.device) -> "EnergyCounter | None":
+        """The counter of a CUDA device; None on the CPU or where NVML has no energy counter."""
+        if device.type != "cuda":
+            return None
+        import pynvml
+
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        try:
+            pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+        except pynvml.NVMLError_NotSupported:
+            return None
+        return cls(handle)
+
+    def read_mj(self) -> int:
+        import pynvml
+
+        return int(pynvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+
+    def start(self) -> None:
+        self.start_mj = self.read_mj()
+
+    def joules(self) -> float | None:
+        """Joules since `start` (None if it was never started)."""
+        return None if self.start_mj is None else (self.read_mj() - self.start_mj) / 1e3

@@ -99,12 +99,22 @@ class PhaseRecorder:
                 self.first_step_time = wall
             if timed and not self.in_warmup:
                 if measured:  # the phases' own time; the meters' bookkeeping between them apart
-                    inside = sum(recs[-1]["time_s"] for recs in self.measured.values()
-                                 if recs and recs[-1].get("_step") == self._step_id)
+                    inside = self._phase_time(self._step_id)
                     self.step_times[True].append(inside)
                     self.bookkeeping.append(wall - inside)
                 else:
                     self.step_times[False].append(wall)
+
+    def _phase_time(self, step_id: int) -> float:
+        """Seconds of all phases of one step: with gradient accumulation a step holds k
+        forward and k backward phases (their records are the last ones of each phase)."""
+        total = 0.0
+        for recs in self.measured.values():
+            for rec in reversed(recs):
+                if rec.get("_step") != step_id:
+                    break
+                total += rec["time_s"]
+        return total
 
     @contextmanager
     def phase(self, name: str, measure: bool | None = None) -> Iterator[None]:

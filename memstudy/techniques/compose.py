@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from memstudy import policy
 from memstudy.config import RunConfig
 from memstudy.errors import ConfigError
 from memstudy.models import build_unet
@@ -53,6 +54,7 @@ def make_plan(config: RunConfig, *, device: torch.device | None = None,
     `device` and `n_gpus` plan for another host (validation only: tests plan 2-GPU runs on the
     CPU); by default they are this process's train.device and its visible GPUs."""
     config.check()
+    policy.check_settings(config.train)  # the training-policy settings (memstudy/policy.py)
     check_image_size(config.train.image_size, config.train.msssim_scales)
     device = resolve_device(config.train.device) if device is None else device
     if n_gpus is None:
@@ -63,6 +65,7 @@ def make_plan(config: RunConfig, *, device: torch.device | None = None,
     for name, options in chosen.items():  # the specific refusals first, naming the fix
         get_technique(name).check(options, plan)
     check_declared(plan)
+    policy.check_plan(plan)  # train.lr_schedule / lr_scaling / clip_norm against the techniques
     return plan
 
 
@@ -147,6 +150,9 @@ def build_pipeline(plan: Plan) -> Build:
         tech.apply(options, build)
     if not moved:
         _place(build)
+    # after every technique: the LR policy wraps the final optimizer factory, and its step
+    # hook runs after the techniques' (adaptive k decides the next step's batch first)
+    policy.install(build)
     return build
 
 
