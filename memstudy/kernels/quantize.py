@@ -135,7 +135,8 @@ def dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, n: in
     rows = max(1, ELEMENTS_PER_PROGRAM // group)
     out = torch.empty(n, dtype=dtype, device=codes.device) if out is None else out
     _kernels(interpreted())["dequantize"][(n_groups(groups, rows),)](
-        codes, lo, scale, out, n, groups, BITS=bits, GROUP=group, ROWS=rows)
+        codes, lo, scale, out, n, groups, BITS=bits, GROUP=group, ROWS=rows,
+        BF16=out.dtype == torch.bfloat16)
     return out
 
 
@@ -204,7 +205,8 @@ def _kernels(interpret: bool) -> dict:
 
     @triton.jit
     def dequantize_kernel(codes_ptr, lo_ptr, scale_ptr, out_ptr, n, n_groups,
-                          BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
+                          BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                          BF16: tl.constexpr):
         PER: tl.constexpr = 8 // BITS
         LEVELS: tl.constexpr = (1 << BITS) - 1
         # [ROWS, GROUP // PER, PER] flat indices: group, byte within it, element within byte
@@ -219,7 +221,13 @@ def _kernels(interpret: bool) -> dict:
         lo = tl.load(lo_ptr + rows, mask=row_ok, other=0.0)
         scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
         x = lo[:, None, None] + level.to(tl.float32) * scale[:, None, None]
-        tl.store(out_ptr + idx, x.to(out_ptr.dtype.element_ty), mask=idx < n)
+        if BF16:  # round to nearest even by hand: the interpreter's own cast truncates
+            word = x.to(tl.uint32, bitcast=True)
+            word = word + 0x7FFF + ((word >> 16) & 1)
+            tl.store(out_ptr + idx, (word >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+                     mask=idx < n)
+        else:
+            tl.store(out_ptr + idx, x.to(out_ptr.dtype.element_ty), mask=idx < n)
 
     @triton.jit
     def pack_signs_kernel(x_ptr, signs_ptr, n, BLOCK: tl.constexpr):

@@ -58,14 +58,13 @@ from torch import nn
 
 from memstudy.errors import ConfigError
 from memstudy.kernels import quantize as qk
-from memstudy.meters.tensor import storage_key
 from memstudy.runtime import BOUNDARY, Runtime, StepInfo, is_boundary, mark_boundary
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
 WHICH = ("all", "boundaries")
 IMPLS = ("auto", "triton", "torch")
-SIGN_MASK = "_memstudy_sign_mask"  # on a ReLU mask: (storage key, bytes) of the output it stands for
+SIGN_MASK = "_memstudy_sign_mask"  # on a ReLU mask: the storage of the output it stands for
 
 __all__ = ["Compressor", "Quantized", "mark_boundary"]
 
@@ -116,6 +115,35 @@ class Quantized:
         return moved
 
 
+@dataclass
+class SavedStorage:
+    """One storage saved for backward: as it is, compressed, or through a ReLU mask.
+
+    Counted like the harness's saved-tensor observer counts: a storage saved as it is counts
+    while it is alive (the loss frees the graph of branches it does not use); one that was
+    compressed or replaced by a mask counts for the forward (its original is meant to die)."""
+    storage: weakref.ref
+    nbytes: int
+    plain: bool = False  # saved as it is (not compressible, or the loss)
+    compressed: int = 0  # bytes of its compressed forms
+    replaced: bool = False  # a ReLU output whose sign mask was saved instead
+    mask: bool = False  # this storage is a sign mask (it does not exist without compress)
+
+    @property
+    def before(self) -> int:
+        if self.mask:
+            return 0
+        return self.nbytes if self.compressed or self.replaced or self._alive() else 0
+
+    @property
+    def after(self) -> int:
+        return (self.nbytes if self.plain and self._alive() else 0) + self.compressed + (
+            self.nbytes if self.mask else 0)
+
+    def _alive(self) -> bool:
+        return self.storage() is not None
+
+
 def _dense_stride(t: torch.Tensor) -> tuple[int, ...] | None:
     """t's strides if its elements fill one run of memory (contiguous or channels-last)."""
     if t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)):
@@ -138,20 +166,37 @@ class Compressor:
         self._seeds = random.Random(seed)  # one kernel seed per compressed tensor
         self._generators: dict[torch.device, torch.Generator] = {}  # impl=torch noise
         self._seed = seed
-        # id(tensor) -> (weak ref to it, its version, what pack returned): one pack per tensor
-        self._packed: dict[int, tuple[weakref.ref, int, Any]] = {}
+        # id(tensor) -> (weak ref to it, its version, its Quantized or None): one pack per tensor
+        self._packed: dict[int, tuple[weakref.ref, int, Quantized | None]] = {}
         self.reset_tally()
 
-    # accounting of one forward: storage -> (bytes as saved plainly, bytes as kept)
+    # -- accounting of one forward: the bytes saved without compression and with it ---------
     def reset_tally(self) -> None:
-        self._tally: dict[tuple[str, int], tuple[int, int]] = {}
-        self._mask_bytes = 0
+        # storage address -> SavedStorage; a storage freed during the forward (compressed, then
+        # dropped) can hand its address to a new one, so entries are checked by weak reference
+        self._tally: dict[tuple[str, int], SavedStorage] = {}
+        self._closed = [0, 0]  # (before, after) of entries whose storage was freed
 
     def tally(self) -> tuple[int, int]:
         """(saved bytes without compression, saved bytes with it) of the current forward."""
-        before = sum(b for b, _ in self._tally.values())
-        after = sum(a for _, a in self._tally.values()) + self._mask_bytes
-        return before, after
+        entries = list(self._tally.values())
+        return (self._closed[0] + sum(e.before for e in entries),
+                self._closed[1] + sum(e.after for e in entries))
+
+    def _entry(self, storage: torch.UntypedStorage) -> "SavedStorage":
+        key = (str(storage.device), storage.data_ptr())
+        entry = self._tally.get(key)
+        if entry is not None and entry.storage() is not storage:  # the address was reused
+            self._closed[0] += entry.before  # (evaluated now its storage is gone)
+            self._closed[1] += entry.after
+            entry = None
+        if entry is None:
+            entry = self._tally[key] = SavedStorage(weakref.ref(storage), storage.nbytes())
+        return entry
+
+    def _count_plain(self, t: torch.Tensor) -> None:
+        entry = self._entry(t.untyped_storage())
+        entry.plain = True
 
     @contextlib.contextmanager
     def paused(self):
@@ -165,29 +210,30 @@ class Compressor:
         if not isinstance(t, torch.Tensor) or _is_parameter(t):
             return t
         if not self.active:  # the loss: saved as it is, and counted as such
-            nbytes = t.untyped_storage().nbytes()
-            self._tally.setdefault(storage_key(t), (nbytes, nbytes))
+            self._count_plain(t)
             return t
         replaced = getattr(t, SIGN_MASK, None)
-        if replaced is not None:  # a ReLU mask, kept as it is, saved instead of the output
-            self._tally.setdefault(replaced[0], (replaced[1], 0))
-            self._mask_bytes += t.untyped_storage().nbytes()
+        if replaced is not None:  # a ReLU mask, saved instead of the output
+            output = replaced()
+            if output is not None:
+                self._entry(output).replaced = True  # saved before compression, by ReLU
+            self._entry(t.untyped_storage()).mask = True
             return t
         known = self._packed.get(id(t))
         if known is not None and known[0]() is t and known[1] == t._version:
-            return known[2]
-        nbytes = t.untyped_storage().nbytes()
+            return t if known[2] is None else known[2]
         if not self._compressible(t):
-            self._tally.setdefault(storage_key(t), (nbytes, nbytes))
+            self._count_plain(t)
             packed = t
         else:
             packed = self.quantize(t)
             if is_boundary(t):
                 setattr(packed, BOUNDARY, True)  # offload which=boundaries moves it too
-            self._tally[storage_key(t)] = (nbytes, packed.nbytes)
+            self._entry(t.untyped_storage()).compressed += packed.nbytes
         key = id(t)
+        # None for "kept as it is": holding t itself here would keep it alive for good
         self._packed[key] = (weakref.ref(t, lambda _r, k=key: self._packed.pop(k, None)),
-                             t._version, packed)
+                             t._version, None if packed is t else packed)
         return packed
 
     def _compressible(self, t: torch.Tensor) -> bool:
@@ -233,7 +279,7 @@ class Compressor:
         """The sign bits of `dense` (out itself, or its dense copy), marked as standing for out."""
         flat = _flat(dense).detach()
         signs = qk.pack_signs(flat) if self.use_triton else qk.pack_signs_reference(flat)
-        setattr(signs, SIGN_MASK, (storage_key(out), out.untyped_storage().nbytes()))
+        setattr(signs, SIGN_MASK, weakref.ref(out.untyped_storage()))
         return signs
 
     def apply_signs(self, grad: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
