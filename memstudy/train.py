@@ -266,8 +266,11 @@ def _retry_after_oom(failure: PhaseFailure, rt, optimizer, state: TrainState) ->
 @torch.no_grad()
 def validate(build: Build, val_set, recorder: PhaseRecorder, step: int = 0) -> dict[str, float]:
     first = "validation" not in recorder.measured
-    with recorder.step(measured=first, timed=False), recorder.phase("validation"):
-        result = _evaluate(build, val_set)
+    try:
+        with recorder.step(measured=first, timed=False), recorder.phase("validation"):
+            result = _evaluate(build, val_set)
+    except Exception as exc:  # an OOM in validation is recorded as validation's, not setup's
+        raise PhaseFailure("validation", step, exc) from exc
     if not math.isfinite(result["val_loss"]):
         raise Diverged("validation", step, result["val_loss"], _float32_hint(build, val_set))
     return result

@@ -97,3 +97,85 @@ def test_allocator_tensor_meter_and_nvml_agree_on_cuda(make_config):
         assert abs(alloc - tensor) <= 0.05 * alloc + 2**20, (phase, alloc, tensor)
         # NVML sees the allocator's reserved segments plus the CUDA context
         assert m[(phase, "nvml_peak_bytes")] > m[(phase, "reserved_peak_bytes")]
+
+
+# -- per-phase peaks of a network small enough to count by hand ----------------------------
+B, IN, OUT, F32 = 8, 256, 128, 4  # batch, Linear in / out features, bytes per float32
+
+
+def _linear_phases(momentum: float) -> dict[str, dict[str, float]]:
+    """One measured step of y = x W^T (no bias), loss = sum(y * target), SGD."""
+    from torch import nn
+
+    from memstudy.runtime import Runtime
+
+    torch.manual_seed(0)
+    model = nn.Linear(IN, OUT, bias=False)
+    rt = Runtime(device=torch.device("cpu"), batch_size=B, loss_fn=lambda out, y: (out * y).sum(),
+                 optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.1,
+                                                             momentum=momentum, foreach=False))
+    optimizer = rt.optimizer_factory(model)
+    rec = PhaseRecorder(torch.device("cpu"), model, rt, lambda: optimizer,
+                        MeterConfig(tensor="on", nvml=False))
+    x, y = torch.rand(B, IN), torch.rand(B, OUT)
+    with rec.step(measured=True):
+        with rec.phase("forward"):
+            loss = rt.forward(model, x, y)
+        with rec.phase("backward"):
+            rt.backward(loss)
+        del loss
+        with rec.phase("step"):
+            rt.step(optimizer)
+    return {phase: recs[0] for phase, recs in rec.measured.items()}
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_phase_peaks_equal_a_count_by_hand(momentum):
+    """Each phase's peak is above the memory held when *that* phase began: the step's own
+    allocations only, however high forward and backward went before it."""
+    m = _linear_phases(momentum)
+    out, weight, scalar = B * OUT * F32, IN * OUT * F32, F32
+    # forward: the output, the product with the target, the loss
+    assert m["forward"]["tensor_peak_bytes"] == 2 * out + scalar
+    # backward: the loss's seed gradient, the output's gradient, the weight's gradient
+    assert m["backward"]["tensor_peak_bytes"] == scalar + out + weight
+    assert m["backward"]["cat_grads_bytes"] == weight
+    # step: plain SGD updates in place (nothing); with momentum its buffer (one weight) appears
+    assert m["step"]["tensor_peak_bytes"] == (weight if momentum else 0)
+    assert m["step"]["cat_optimizer_bytes"] == (weight if momentum else 0)
+    assert m["step"]["cat_grads_bytes"] == 0  # zero_grad(set_to_none) freed the gradient
+
+
+# -- out of memory in each phase -------------------------------------------------------------
+@pytest.mark.parametrize("phase", ["forward", "backward", "step", "validation"])
+def test_out_of_memory_is_recorded_with_the_phase_it_happened_in(make_config, monkeypatch,
+                                                                  tmp_path, phase):
+    import memstudy.runner as runner
+    import memstudy.train as train_loop
+    from memstudy.store import ResultsDB
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError(f"injected in {phase}")
+
+    real_build = runner.build_pipeline
+
+    def build_with_failure(plan):
+        build = real_build(plan)
+        if phase != "validation":  # Runtime.forward / backward / step
+            setattr(build.runtime, phase, out_of_memory)
+        return build
+
+    cfg = make_config(64, msssim_scales=1, warmup_steps=0, measure_steps=1, max_steps=1,
+                      optimizer="sgd")
+    cfg.data.train_images = 1
+    db = ResultsDB(tmp_path / "results.sqlite")
+    first = execute(cfg, db)  # recorded before the failing run: must survive it
+    assert first.status == "ok", first.error
+    monkeypatch.setattr(runner, "build_pipeline", build_with_failure)
+    if phase == "validation":
+        monkeypatch.setattr(train_loop, "validation_forward", out_of_memory)
+    rec = execute(cfg, db)
+    assert (rec.status, rec.failed_phase) == ("oom", phase), (rec.status, rec.failed_phase, rec.error)
+    assert f"injected in {phase}" in rec.error
+    rows = db.runs()
+    assert [(r["status"], r["failed_phase"]) for r in rows] == [("ok", None), ("oom", phase)]
