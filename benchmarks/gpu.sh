@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [allocator] [lowrank] [daso]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [allocator] [lowrank] [native] [daso]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / TRIACCEL_ARGS /
@@ -50,6 +50,7 @@ for item in $STEPS; do
         overhead) $PY benchmarks/bench_overhead.py --out "$RES/overhead" ${OVERHEAD_ARGS:-} 2>&1 | tee "$RES/overhead.log" ;;
         compile) $PY benchmarks/bench_compile.py --out "$RES/compile" --part compile ${COMPILE_ARGS:---sizes 2048} 2>&1 | tee -a "$RES/compile.log" ;;
         allocator) $PY benchmarks/bench_compile.py --out "$RES/compile" --part allocator ${ALLOCATOR_ARGS:-} 2>&1 | tee -a "$RES/allocator.log" ;;
+        native) $PY benchmarks/bench_native.py --out "$RES/native" 2>&1 | tee "$RES/native.log" ;;
         lowrank) $PY benchmarks/bench_lowrank.py --out "$RES/lowrank" ${LOWRANK_ARGS:-} 2>&1 | tee "$RES/lowrank.log" ;;
         daso) $PY benchmarks/bench_daso_ab.py --out "$RES/daso" ${DASO_ARGS:-} 2>&1 | tee "$RES/daso.log" ;;  # needs 2 GPUs
         *) echo "unknown step $step" ;;
