@@ -1,4 +1,4 @@
-"""`memstudy` command line: run, techniques, grid, maxres, report."""
+"""`memstudy` command line: run, techniques, grid, maxres, report, tune."""
 from __future__ import annotations
 
 import argparse
@@ -166,9 +166,11 @@ def cmd_maxres(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from memstudy.report import build_report
+    from memstudy.report import build_report, parse_weights
 
-    text = build_report(args.report_db or args.db, args.format, budget=args.budget)
+    weights = parse_weights(args.cost_weights) if args.cost_weights else None
+    text = build_report(args.report_db or args.db, args.format, budget=args.budget,
+                        cost_weights=weights)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text)
@@ -214,6 +216,8 @@ def add_study_parsers(sub) -> None:
     report.add_argument("report_db", nargs="?", help="results database (default: --db)")
     report.add_argument("--format", choices=("term", "md", "csv", "latex", "html"), default="term")
     report.add_argument("--out", help="write to this file instead of the terminal")
+    report.add_argument("--cost-weights", help="w1,w2,w3 of the cost objective C = w1 T + w2 M "
+                        "+ w3 E (time to target, peak memory, energy; docs/metrics.md), e.g. 1,1,0")
     report.add_argument("--budget", help="budget line on the memory-vs-resolution plot, e.g. 8GiB")
     report.set_defaults(func=cmd_report)
 
@@ -225,6 +229,19 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError(f"no such database: {', '.join(missing)}")
     print(f"copied {merge_databases(args.db, args.sources)} runs into {args.db}")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from memstudy.tune import load_spec, run_tune
+
+    spec = load_spec(args.spec)  # refuses a bad spec before any trial runs
+    if args.check:
+        print(f"spec ok: {len(spec.space)} setting(s) searched: {', '.join(spec.space)}")
+        return 0
+    trials = run_tune(spec, ResultsDB(args.db), progress=None if args.quiet else eprint)
+    print(f"trained {len(trials.ran)} trial(s), {len(trials.reused)} found already recorded; "
+          f"stored in {args.db}")
     return 0
 
 
@@ -242,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("sources", nargs="+", help="results databases to copy from")
     merge.set_defaults(func=cmd_merge)
     add_study_parsers(sub)
+    tune = sub.add_parser("tune", help="evolutionary hyperparameter search with Propulate "
+                          "(docs/tune.md); every trial a recorded run, resumable")
+    tune.add_argument("spec", help="tune spec (TOML: [base], [space], [search], [fitness])")
+    tune.add_argument("--check", action="store_true", help="validate the spec; run nothing")
+    tune.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    tune.set_defaults(func=cmd_tune)
     for command in sub.choices.values():  # `memstudy run --db X` as well as `memstudy --db X run`
         if not any("--db" in a.option_strings for a in command._actions):
             command.add_argument("--db", **DB_AFTER)

@@ -123,3 +123,59 @@ def test_schedule_with_tri_accel_is_refused(make_config):
     cfg = make_config(techniques=["tri_accel:low=bf16:elastic=off"], lr_scaling="linear")
     with pytest.raises(ConfigError, match="tri_accel sets every unit's learning rate"):
         make_plan(cfg)
+
+
+# -- the report's cost objective (eq. 3) and accumulation table (eq. 9) ------------------------
+MiB = 2 ** 20
+
+
+def _store(db, name: str, techniques: list[str], batch: int, peak_mib: float,
+           run: dict[str, float]) -> None:
+    from memstudy.store import RunRecord
+
+    config = {"train": {"image_size": 1024, "batch_size": batch}, "techniques": techniques}
+    metrics = [(0, "forward", "alloc_start_bytes", 0.0),
+               (0, "forward", "alloc_peak_bytes", peak_mib * MiB)]
+    metrics += [(0, "run", k, v) for k, v in run.items()]
+    db.record(RunRecord(config=config, config_hash=name, name=name, status="ok",
+                        env={"device": "cuda:0", "gpu_name": "GPU"}, started_at=0.0,
+                        metrics=metrics))
+
+
+def test_cost_objective_normalises_each_figure_by_the_best(tmp_path):
+    from memstudy.report import cost
+    from memstudy.store import ResultsDB
+
+    db = ResultsDB(tmp_path / "r.sqlite")
+    _store(db, "a", [], 1, 100, {"time_to_target_s": 10.0, "energy_j": 5.0})
+    _store(db, "b", [], 1, 50, {"time_to_target_s": 20.0, "energy_j": 10.0})
+    _store(db, "c", [], 1, 200, {"energy_j": 20.0})  # never reached the target
+    rows = {r["name"]: r for r in cost(db, (1.0, 1.0, 1.0))}
+    # T/best: 1, 2, -; M/best: 2, 1, 4; E/best: 1, 2, 4
+    assert rows["a"]["cost"] == pytest.approx(1 + 2 + 1)
+    assert rows["b"]["cost"] == pytest.approx(2 + 1 + 2)
+    assert rows["c"]["cost"] is None  # T is weighted but absent: no C, not a C without T
+    without_time = {r["name"]: r["cost"] for r in cost(db, (0.0, 1.0, 1.0))}
+    assert without_time == pytest.approx({"a": 3.0, "b": 3.0, "c": 8.0})
+
+
+def test_accumulation_table_marks_the_best_throughput_per_memory(tmp_path):
+    from memstudy.report import accumulation
+    from memstudy.store import ResultsDB
+
+    db = ResultsDB(tmp_path / "r.sqlite")
+    _store(db, "big", [], 4, 400, {"throughput_px_s": 4e6})  # k = 1 at batch 4: 1e4 px/s per MB
+    _store(db, "k2", ["accumulate:k=2:mode=fixed"], 2, 200, {"throughput_px_s": 3e6})  # 1.5e4
+    _store(db, "k4", ["accumulate:k=4:mode=fixed"], 1, 150, {"throughput_px_s": 2e6})  # 1.33e4
+    rows = accumulation(db)
+    assert [(r["k"], r["effective_batch"]) for r in rows] == [(1, 4), (2, 4), (4, 4)]
+    assert [r["optimal"] != "" for r in rows] == [False, True, False]
+
+
+def test_bad_cost_weights_are_refused_by_name():
+    from memstudy.report import parse_weights
+
+    assert parse_weights("1,0.5,0") == (1.0, 0.5, 0.0)
+    for text in ("1,1", "1,-1,0", "0,0,0", "a,b,c"):
+        with pytest.raises(ConfigError, match="--cost-weights"):
+            parse_weights(text)

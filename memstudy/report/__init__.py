@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from memstudy.report import cost as cost_section
+from memstudy.report.cost import accumulation, cost, parse_weights
 from memstudy.report.data import load_maxres, load_runs, open_db
 from memstudy.report.plots import (largest_size_chart, loss_curve_chart, png, ratio_chart,
                                    resolution_chart, tri_control_chart)
@@ -51,11 +53,24 @@ def budget_line(resolution: list[dict], budget: str | None = None) -> float | No
     return budgets.pop() if len(budgets) == 1 else None
 
 
-def build_report(db, fmt: str = "term", budget: str | None = None) -> str:
+COLUMNS.update(cost_section.COLUMNS)
+TITLES.update(cost_section.TITLES)
+
+
+def build_report(db, fmt: str = "term", budget: str | None = None,
+                 cost_weights: tuple[float, float, float] | None = None) -> str:
+    """Every table; the cost objective (eq. 3) when `cost_weights` are given or a run recorded
+    a time to target, the accumulation table (eq. 9) when the database holds accumulate runs."""
     if fmt not in FORMATS:
         raise ValueError(f"report format {fmt!r} unknown; choose one of {FORMATS}")
     db = open_db(db)
     tables = {name: fn(db) for name, fn in TABLES.items()}
+    costs = cost(db, cost_weights or cost_section.DEFAULT_WEIGHTS)
+    if cost_weights or any(r["time_to_target_s"] is not None for r in costs):
+        tables["cost"] = costs
+    accumulated = accumulation(db)
+    if accumulated:
+        tables["accumulation"] = accumulated
     tri = tri_efficiency(db)  # [] unless the database holds tri_accel runs
     if tri:
         tables["tri_efficiency"] = tri
@@ -72,7 +87,7 @@ def build_report(db, fmt: str = "term", budget: str | None = None) -> str:
     return "\n\n".join(sections) + "\n"
 
 
-__all__ = ["COLUMNS", "TABLES", "TITLES", "build_report", "budget_line", "largest_size",
+__all__ = ["COLUMNS", "TABLES", "TITLES", "accumulation", "build_report", "cost", "parse_weights", "budget_line", "largest_size",
            "largest_size_chart", "load_maxres", "load_runs", "loss_curve_chart", "loss_curves", "losses", "memory_ratios",
            "memory_vs_resolution", "notebook_db", "open_db", "phase_memory", "png",
            "ratio_chart", "render", "resolution_chart", "tri_control_chart",
