@@ -86,3 +86,12 @@ def check_size_source(size: Size, source: str, resize: str) -> None:
         raise ConfigError(f"data.resize = {resize!r} with train.image_size = 'native' asks for "
                           "two things: keep native sizes (data.resize = 'none') or give "
                           "train.image_size a size to resize to")
+
+
+def size_sort_key(size: Size) -> tuple[int, int, int]:
+    """Orders stored sizes of every form together (int squares, 'HxW', 'native'): by pixels,
+    then height; native last. Tables and plots of a database that mixes forms sort with it."""
+    hw = size_hw(size)
+    if hw is None:
+        return (1, 0, 0)
+    return (0, hw[0] * hw[1], hw[0])
