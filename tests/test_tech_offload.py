@@ -7,7 +7,7 @@ from memstudy.models import build_unet
 from memstudy.runner import execute
 from memstudy.techniques import get_technique
 from memstudy.techniques.base import Plan
-from memstudy.techniques.offload import Offloader
+from memstudy.techniques.offload import Offloader, PrefetchWindow
 from helpers import saved_bytes
 
 TECH = get_technique("offload")
@@ -26,6 +26,18 @@ def test_refused_on_the_cpu_naming_train_device():
 def test_negative_min_bytes_is_refused():
     with pytest.raises(ConfigError, match="min_bytes"):
         TECH.check(TECH.parse(["-1"]), _plan("cuda"))
+
+
+@pytest.mark.parametrize("args,option", [
+    (["prefetch=-1"], "prefetch"),
+    (["prefetch=2", "pin_memory=false"], "pin_memory"),  # pageable copies cannot overlap
+    (["which=boundaries"], "which=boundaries"),  # nothing marks boundaries without checkpoint
+])
+def test_bad_prefetch_and_which_are_refused(args, option):
+    with pytest.raises(ConfigError, match=option):
+        TECH.check(TECH.parse(args), _plan("cuda"))
+    plan = Plan(config=None, device=torch.device("cuda"), n_gpus=1, chosen={"checkpoint": None})
+    TECH.check(TECH.parse(["prefetch=2", "which=boundaries"]), plan)  # accepted
 
 
 def test_pack_copies_large_tensors_once_and_leaves_small_ones_and_parameters():
@@ -82,6 +94,47 @@ def test_gradients_are_identical_with_offload(model_and_plain_grads):
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
 
 
+@pytest.mark.parametrize("prefetch", [1, 4])
+def test_prefetch_keeps_gradients_identical_and_bounds_what_is_in_flight(model_and_plain_grads,
+                                                                        prefetch):
+    model, x, plain, _ = model_and_plain_grads
+    off = Offloader(CPU, CPU, min_bytes=16 * 1024, prefetch=prefetch)
+    for _ in range(2):  # the second forward numbers its copies anew
+        grads = _grads(model, x, (off.pack, off.unpack))
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    stats = off.stats
+    assert stats["max_in_flight"] == prefetch
+    # backward runs almost in reverse pack order: most copies were brought back ahead of use
+    assert stats["prefetched"] > 0.8 * (stats["prefetched"] + stats["on_demand"]), stats
+    none = Offloader(CPU, CPU, min_bytes=16 * 1024)
+    _grads(model, x, (none.pack, none.unpack))
+    assert none.stats["prefetched"] == 0 and none.stats["max_in_flight"] == 0
+
+
+def test_prefetch_window_order_and_bound():
+    started = []
+    window = PrefetchWindow(lambda host: (started.append(int(host)) or host.clone(), None), limit=2)
+    copies = [torch.tensor(i) for i in range(6)]
+    for i, c in enumerate(copies):
+        assert window.add(c) == i
+    window.count_use(3)  # copy 3 is shared by two saved tensors
+    assert window.take(5) is None  # nothing prefetched yet: copied on demand
+    window.advance(5)
+    assert started == [4, 3]  # the next ones below, highest first, two in flight
+    assert int(window.take(4)[0]) == 4
+    window.advance(4)
+    assert started == [4, 3, 2]  # 3 still in flight: one more
+    assert int(window.take(3)[0]) == 3 and int(window.take(3)[0]) == 3  # both uses served
+    window.advance(3)
+    assert started == [4, 3, 2, 1]
+    assert window.take(0) is None  # out of order: on demand; the cursor moves below 0
+    window.advance(0)
+    assert started == [4, 3, 2, 1]
+    del copies[2]  # autograd freed copy 2 unused: it leaves the window
+    assert 2 not in window._ready
+    assert window.stats == {"prefetched": 3, "on_demand": 2, "max_in_flight": 2}
+
+
 def test_with_checkpoint_only_tensors_outside_regions_are_offloaded(model_and_plain_grads):
     try:
         from memstudy.techniques.checkpoint import apply_per_block
@@ -94,6 +147,12 @@ def test_with_checkpoint_only_tensors_outside_regions_are_offloaded(model_and_pl
     inner = Offloader(CPU, CPU, min_bytes=64 * 1024)
     grads = _grads(model, x, (inner.pack, inner.unpack))
     assert 0 < inner.offloaded_bytes < 0.5 * full.offloaded_bytes
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(plain, grads))
+    # which=boundaries: only the region inputs checkpoint marks (96 px: 1.4 of 3.5 MB; the
+    # stem's full-resolution tensors outside regions are the rest)
+    marked = Offloader(CPU, CPU, min_bytes=64 * 1024, boundaries_only=True, prefetch=2)
+    grads = _grads(model, x, (marked.pack, marked.unpack))
+    assert 0.25 * inner.offloaded_bytes < marked.offloaded_bytes < 0.75 * inner.offloaded_bytes
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(plain, grads))
 
 

@@ -197,7 +197,7 @@ class PrefetchWindow:
         self._sequence: list[weakref.ref] = []  # host copies of this forward, in pack order
         self._uses: list[int] = []  # how many saved tensors share each copy
         self._ready: dict[int, list] = {}  # index -> [device tensor, copy event, uses left]
-        self._cursor = -1  # the next index to prefetch, counting down
+        self._cursor: int | None = None  # the next index to prefetch, counting down
         self._backward = False  # an unpack happened since the last pack
         self.stats = {"prefetched": 0, "on_demand": 0, "max_in_flight": 0}
 
@@ -206,7 +206,7 @@ class PrefetchWindow:
         if not self._backward:
             return False
         self._sequence, self._uses, self._ready = [], [], {}
-        self._cursor, self._backward = -1, False
+        self._cursor, self._backward = None, False
         return True
 
     def add(self, host: torch.Tensor) -> int:
@@ -237,7 +237,8 @@ class PrefetchWindow:
         """After unpacking `index`: start the copies below it, up to `limit` in flight."""
         if self.limit <= 0 or index >= len(self._sequence):
             return
-        self._cursor = index - 1 if self._cursor < 0 else min(self._cursor, index - 1)
+        # only ever down: a copy above the cursor was used already (or skipped as unneeded)
+        self._cursor = index - 1 if self._cursor is None else min(self._cursor, index - 1)
         while len(self._ready) < self.limit and self._cursor >= 0:
             i, self._cursor = self._cursor, self._cursor - 1
             host = self._sequence[i]()
