@@ -67,11 +67,11 @@ class ABWeight:
 class ABSchedule:
     def __init__(self, model: nn.Module, ddp: nn.Module | None, warmup: int, ab_steps: int,
                  rebound: int, cutoff: float, skip_first: bool, skip_last: bool,
-                 rank: int, world: int):
+                 rank: int, world: int, total: int | None = None):
         self.model, self.ddp = model, ddp
         self.warmup, self.ab_steps, self.rebound, self.cutoff = warmup, ab_steps, rebound, cutoff
         self.layers = eligible_layers(model, skip_first, skip_last)
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.total = rank, world, total
         self.train_a = rank < world // 2  # Algorithm 2 lines 1-4
         half = world // 2
         groups = [dist.new_group(list(range(half))), dist.new_group(list(range(half, world)))]
@@ -117,7 +117,7 @@ class ABSchedule:
 
     @torch.no_grad()
     def after_step(self, t: int, optimizer) -> None:
-        if self.in_ab() and self.ab_ends_after(t):
+        if self.in_ab() and (self.ab_ends_after(t) or t == self.total):  # the run ends in sync
             self._step_bytes += self.synchronise(optimizer)
             self.rows.append((self.rank, t, "ab_sync", 1.0))
         elif not self.in_ab() and self.ab_starts_after(t):

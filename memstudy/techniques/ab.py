@@ -88,8 +88,11 @@ def apply(opts: Options, build: Build) -> None:
 
     ddp = build.model
     warmup, ab_steps, rebound = resolved(opts, build.config)
+    from memstudy.train import planned_steps
+
     schedule = ABSchedule(ddp.module, ddp, warmup, ab_steps, rebound, opts.sigma_cutoff,
-                          opts.skip_first, opts.skip_last, context.rank(), context.world_size())
+                          opts.skip_first, opts.skip_last, context.rank(), context.world_size(),
+                          total=planned_steps(build.config, build.config.data.train_images))
     rt, factory = build.runtime, build.runtime.optimizer_factory
 
     def optimizer_with_groups(model):
