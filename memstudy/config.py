@@ -60,6 +60,10 @@ class TrainConfig:
     lr_base_batch: int | None = None  # B_base of eq. 11; unset: train.batch_size
     clip_norm: float | None = None  # tau of eq. 12: clip the total gradient norm; unset: off
     target_val_loss: float | None = None  # time_to_target_s: first validation at or below it
+    # Exact tiled validation (memstudy/tiling/validation.py): the eval forward runs the full- and
+    # half-resolution levels in row strips of this many rows (padded full-res rows, a multiple
+    # of 4); 0 = untiled, for comparison. 512 keeps a 4188-px validation off the memory floor.
+    val_tile_rows: int = 512
 
     def resolve_tuning(self) -> None:
         """Fill unset channels_last / cudnn_benchmark: on for CUDA, off on the CPU."""
@@ -79,6 +83,16 @@ class TrainConfig:
                               f"{self.device!r} runs on the CPU, where cuDNN is not used; set "
                               "train.cudnn_benchmark = false (or leave it unset)")
         self.resolve_tuning()
+
+    def check_val_tiles(self) -> None:
+        from memstudy.tiling.levels import VALIDATION_LEVELS, min_tile_rows
+
+        unit, halo = 2 ** VALIDATION_LEVELS, min_tile_rows(VALIDATION_LEVELS)
+        rows = self.val_tile_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0 or rows % unit \
+                or 0 < rows < halo:
+            raise ConfigError(f"train.val_tile_rows = {rows!r} must be 0 (untiled validation) or "
+                              f"a multiple of {unit} that is >= {halo} (the tiles' halo), e.g. 512")
 
     def check(self) -> None:
         self.image_size = parse_size(self.image_size)  # canonical form: what is stored and hashed
@@ -102,6 +116,7 @@ class TrainConfig:
             raise ConfigError(f"train.loss_chunk_rows must be >= 0, 0 = unchunked (got "
                               f"{self.loss_chunk_rows})")
         self.check_tuning()
+        self.check_val_tiles()
         # train.lr_schedule / lr_scaling / clip_norm: policy.check_settings, run by make_plan
         # (the config layer imports nothing above it: tests/test_architecture.py)
 

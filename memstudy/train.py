@@ -30,6 +30,7 @@ from memstudy.quality import quality
 from memstudy.runtime import MicroBatch, StepInfo
 from memstudy.techniques import shards_batch
 from memstudy.techniques.base import Build
+from memstudy.tiling.validation import validation_forward
 
 
 @dataclass
@@ -288,7 +289,8 @@ def _evaluate(build: Build, val_set, autocast: bool = True) -> dict[str, float]:
             # enabled=True would *set* autocast (default dtype), so only ever pass False
             off = contextlib.nullcontext() if autocast else torch.autocast(in_device.type, enabled=False)
             with rt.forward_context(), off:
-                out = model(x)
+                # exact tiled eval forward (train.val_tile_rows; 0 = untiled), recorded in notes
+                out, build.notes["val_tiling"] = validation_forward(model, x, cfg.val_tile_rows)
             for k, v in quality(out, y.to(out.device), cfg.msssim_scales).items():
                 sums[k] = sums.get(k, 0.0) + v * len(x)
     finally:

@@ -15,7 +15,7 @@ from memstudy.errors import ConfigError
 from memstudy.meters.tensor import LiveTensorMeter
 from memstudy.models import build_unet
 from memstudy.techniques.compose import build_pipeline, make_plan
-from memstudy.tiling import TiledForward
+from memstudy.tiling.unet import TiledForward
 from memstudy.tiling.sweep import run_region
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from memstudy.models import build_unet
-from memstudy.tiling import TiledForward
+from memstudy.tiling.unet import TiledForward
 from memstudy.tiling.geometry import split_rows
 from memstudy.tiling.validation import validation_forward
 

@@ -38,7 +38,8 @@ from memstudy.errors import ConfigError
 from memstudy.models.unet import STRIDE
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
-from memstudy.tiling import TiledForward, check_levels, min_tile_rows
+from memstudy.tiling.levels import check_levels, min_tile_rows
+from memstudy.tiling.unet import TiledForward
 
 DEFAULT_TILES = 4
 # technique -> why it cannot run with tile

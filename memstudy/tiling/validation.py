@@ -13,9 +13,8 @@ import contextlib
 import torch
 from torch import nn
 
+from memstudy.tiling.levels import VALIDATION_LEVELS
 from memstudy.tiling.unet import TiledForward
-
-VALIDATION_LEVELS = 2
 
 
 def find_unet(model: nn.Module) -> nn.Module | None:

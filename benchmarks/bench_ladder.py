@@ -1,0 +1,159 @@
+"""The budget ladder (issue 13 part 4): largest trainable square size per emulated budget, and
+native 4188 x 4188 training under 4 GiB.
+
+--part ladder: for each budget in --budgets (CUDA context included, emulated as docs/budget.md
+  describes) and each technique set in --sets, `memstudy.maxres` predicts and then searches the
+  largest trainable size on the 64 px grid (each probe a short training run in its own
+  process). Writes --out/ladder.sqlite and --out/ladder.md (one table per budget, GPU named).
+--part native: at --size (default 4188) trains --steps steps of phantoms and validates, each run
+  in its own process: the tiled set under --budget (default 4GiB), unconstrained amp:bf16 and
+  unconstrained float32 (no technique). Writes --out/native.sqlite and --out/native.md: status,
+  run peak, step time beside amp:bf16's, validation MS-SSIM beside float32's (same steps, same
+  data, same seed).
+
+    python benchmarks/bench_ladder.py --part ladder --out gpu-out/results/ladder --budgets 4GiB
+    python benchmarks/bench_ladder.py --part native --out gpu-out/results/ladder --steps 12
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LADDER_SETS = "amp:bf16,checkpoint;amp:bf16,checkpoint,offload;amp:bf16,checkpoint,tile:16;" \
+              "amp:bf16,checkpoint,offload,tile:16"
+NATIVE_SET = "amp:bf16,checkpoint,offload,tile:16"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--part", choices=("ladder", "native"), required=True)
+    p.add_argument("--budgets", default="2GiB,4GiB,6GiB,8GiB", help="ladder: budgets, comma-separated")
+    p.add_argument("--sets", default=LADDER_SETS, help="ladder: technique sets, ';'-separated")
+    p.add_argument("--fit-sizes", default="1024,2048", help="ladder: sizes fitted for the prediction")
+    p.add_argument("--max-size", type=int, default=8192, help="ladder: largest size probed")
+    p.add_argument("--steps", type=int, default=12, help="native: training steps per run")
+    p.add_argument("--size", default="4188", help="native: image size")
+    p.add_argument("--budget", default="4GiB", help="native: budget of the tiled run")
+    p.add_argument("--tiled-set", default=NATIVE_SET, help="native: techniques of the tiled run")
+    p.add_argument("--timeout", type=float, default=600, help="per-run / per-probe timeout (s)")
+    return p.parse_args(argv)
+
+
+# -- ladder --------------------------------------------------------------------------------
+def ladder(args: argparse.Namespace, out: Path) -> int:
+    from memstudy.config import RunConfig
+    from memstudy.maxres import maxres_table, search_all
+    from memstudy.runner import eprint
+
+    db = out / "ladder.sqlite"
+    sets = [s.split(",") for s in args.sets.split(";") if s]
+    lines = ["# Budget ladder: largest trainable square size", "",
+             f"Recorded {time.strftime('%Y-%m-%d %H:%M')}; budgets include the CUDA context "
+             "(docs/budget.md); each probe trains a few steps without validation."]
+    failed = False
+    for budget in [b for b in args.budgets.split(",") if b]:
+        cfg = RunConfig(budget=budget)
+        cfg.train.device = "cuda"
+        cfg.train.validate = False
+        results = search_all(copy.deepcopy(cfg), sets, db,
+                             fit_sizes=[int(s) for s in args.fit_sizes.split(",")],
+                             max_size=args.max_size, timeout_s=args.timeout, progress=eprint)
+        failed |= any(r.error for r in results)
+        gpus = sorted({p.gpu_name for r in results for p in r.probes if p.gpu_name})
+        lines += ["", f"## {budget} (GPU: {', '.join(gpus) or 'unknown'})", "", "```",
+                  maxres_table(results), "```"]
+        (out / "ladder.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if failed else 0
+
+
+# -- native size under a budget -----------------------------------------------------------
+def native_runs(args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
+    """(label, techniques, budget) of the three runs."""
+    return [(f"{args.tiled_set} under {args.budget}", args.tiled_set, args.budget),
+            ("amp:bf16 unconstrained", "amp:bf16", None),
+            ("float32 unconstrained", "none", None)]
+
+
+def run_native(db: Path, args: argparse.Namespace, label: str, techniques: str,
+               budget: str | None) -> None:
+    steps = args.steps
+    cmd = [sys.executable, "-m", "memstudy", "--db", str(db), "run", "--size", args.size,
+           "-t", techniques, "--device", "cuda", "--steps", str(steps), "-q", "--label", label,
+           "--set", "train.warmup_steps=1", "--set", f"train.measure_steps={min(2, steps - 1)}",
+           "--set", f"data.train_images={steps}", "--set", "data.val_images=2"]
+    if budget:
+        cmd += ["--budget", budget]
+    print("+", " ".join(cmd), flush=True)
+    try:
+        subprocess.run(cmd, check=False, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"{label} timed out after {args.timeout:.0f} s", flush=True)
+
+
+def native_table(db: Path) -> list[str]:
+    from memstudy.store import ResultsDB
+
+    rdb = ResultsDB(db)
+    rows = []
+    for r in rdb.query("SELECT * FROM runs ORDER BY id"):
+        metrics = {phase: m for (_rank, phase), m in rdb.metrics(r["id"]).items()}
+        run = metrics.get("run", {})
+        epochs = rdb.epochs(r["id"])
+        val = epochs[-1].get("val_loss") if epochs else None
+        peaks = [m["alloc_peak_bytes"] + m.get("alloc_start_bytes", 0)
+                 for m in metrics.values() if "alloc_peak_bytes" in m]
+        rows.append({"label": r["label"], "status": r["status"], "phase": r["failed_phase"],
+                     "peak": max(peaks) if peaks else None, "gpu": r["gpu_name"],
+                     "nvml": max((m.get("nvml_peak_bytes", 0) for m in metrics.values()), default=0),
+                     "step": run.get("step_time_s") or run.get("metered_step_time_s"),
+                     "msssim": None if val is None else 1 - val,
+                     "error": (r["error"] or "")[:100]})
+    bf16 = next((r["step"] for r in rows if r["label"].startswith("amp:bf16 ")), None)
+    fp32 = next((r["msssim"] for r in rows if r["label"].startswith("float32")), None)
+    gpus = sorted({r["gpu"] for r in rows if r["gpu"]})
+    lines = [f"GPU: **{', '.join(gpus) or 'unknown'}**; recorded {time.strftime('%Y-%m-%d %H:%M')}. "
+             "Allocator peak = largest absolute allocator peak of any phase (no CUDA context); "
+             "NVML peak = device memory used, CUDA context included. Validation MS-SSIM after the "
+             "same steps on the same phantoms.", "",
+             "| run | status | allocator peak MB | NVML peak MB | step s | time / amp:bf16 | "
+             "val MS-SSIM | vs float32 | error |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['step'] / bf16:.2f}" if r["step"] and bf16 else "-"
+        rel = f"{(r['msssim'] - fp32) / fp32:+.2%}" if r["msssim"] is not None and fp32 else "-"
+        lines.append(" | ".join([
+            f"| {r['label']}", r["status"] + (f" in {r['phase']}" if r["phase"] else ""),
+            f"{r['peak'] / 2**20:.0f}" if r["peak"] else "-",
+            f"{r['nvml'] / 2**20:.0f}" if r["nvml"] else "-",
+            f"{r['step']:.3f}" if r["step"] else "-", ratio,
+            f"{r['msssim']:.4f}" if r["msssim"] is not None else "-", rel, r["error"] + " |"]))
+    return lines
+
+
+def native(args: argparse.Namespace, out: Path) -> int:
+    db = out / "native.sqlite"
+    for label, techniques, budget in native_runs(args):
+        run_native(db, args, label, techniques, budget)
+    text = "\n".join([f"# {args.size} px trained under {args.budget} with exact tiling", "",
+                      *native_table(db)]) + "\n"
+    (out / "native.md").write_text(text)
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return ladder(args, out) if args.part == "ladder" else native(args, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
