@@ -3,11 +3,11 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [allocator] [lowrank] [native] [daso] [tile] [tile-4188] [ladder] [tile-native]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [allocator] [lowrank] [native] [daso]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / TRIACCEL_ARGS /
-# OVERHEAD_ARGS / COMPILE_ARGS / ALLOCATOR_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / LADDER_ARGS / TILENATIVE_ARGS (e.g. "--sizes 2048")
+# OVERHEAD_ARGS / COMPILE_ARGS / ALLOCATOR_ARGS / LOWRANK_ARGS (e.g. "--sizes 2048")
 # replace a benchmark's arguments. Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,10 +53,11 @@ for item in $STEPS; do
         native) $PY benchmarks/bench_native.py --out "$RES/native" 2>&1 | tee "$RES/native.log" ;;
         lowrank) $PY benchmarks/bench_lowrank.py --out "$RES/lowrank" ${LOWRANK_ARGS:-} 2>&1 | tee "$RES/lowrank.log" ;;
         daso) $PY benchmarks/bench_daso_ab.py --out "$RES/daso" ${DASO_ARGS:-} 2>&1 | tee "$RES/daso.log" ;;  # needs 2 GPUs
-        tile) $PY benchmarks/bench_tile.py --out "$RES/tile" ${TILE_ARGS:---sizes 2048 --tiles 4,8} 2>&1 | tee -a "$RES/tile.log" ;;
-        tile-4188) $PY benchmarks/bench_tile.py --out "$RES/tile" ${TILE4188_ARGS:---sizes 4188 --tiles 8,16} 2>&1 | tee -a "$RES/tile.log" ;;
-        ladder) $PY benchmarks/bench_ladder.py --part ladder --out "$RES/ladder" ${LADDER_ARGS:---budgets 4GiB} 2>&1 | tee -a "$RES/ladder.log" ;;
-        tile-native) $PY benchmarks/bench_ladder.py --part native --out "$RES/ladder" ${TILENATIVE_ARGS:-} 2>&1 | tee -a "$RES/ladder.log" ;;
+        compress) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS_ARGS:---sizes 2048 --bases original,checkpoint,amp:bf16+checkpoint} 2>&1 | tee -a "$RES/compress.log" ;;
+        compress-4160) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS4160_ARGS:---sizes 4160 --bases amp:bf16+checkpoint,amp:bf16+tile} 2>&1 | tee -a "$RES/compress.log" ;;
+        compress-kernels) $PY benchmarks/bench_compress.py --part kernels --out "$RES/compress" 2>&1 | tee -a "$RES/compress.log" ;;
+        compress-offload) $PY benchmarks/bench_compress.py --part offload --out "$RES/compress" ${COMPRESSOFFLOAD_ARGS:---sizes 4160} 2>&1 | tee -a "$RES/compress.log" ;;
+        compress-quality) $PY benchmarks/bench_compress.py --part quality --out "$RES/compress" ${COMPRESSQUALITY_ARGS:-} 2>&1 | tee -a "$RES/compress.log" ;;
         *) echo "unknown step $step" ;;
     esac
 done
