@@ -276,3 +276,37 @@ def test_compress_then_offload_moves_fewer_bytes_same_gradients(model_x_plain):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# -- on a GPU (Triton kernels) ---------------------------------------------------------------
+def _figures(record, phase):
+    return {name: v for _, p, name, v in record.metrics if p == phase}
+
+
+@pytest.mark.gpu
+def test_gpu_compress_run_records_its_figures(make_config):
+    from memstudy.runner import execute
+    plain = execute(make_config(256, device="cuda", validate=False, max_steps=4), db=None)
+    comp = execute(make_config(256, ["compress:bits=4"], device="cuda", validate=False,
+                               max_steps=4, warmup_steps=2), db=None)
+    assert plain.status == comp.status == "ok", comp.error
+    rows = {name: v for _, _, name, v in comp.series if name.startswith("compress_")}
+    assert rows["compress_grad_cosine"] > 0.97, rows
+    saved, plain_saved = _figures(comp, "forward")["saved_bytes"], _figures(plain, "forward")["saved_bytes"]
+    assert saved < plain_saved / 4, (saved, plain_saved)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_and_torch_impls_agree_in_distribution():
+    model = build_unet(seed=0).cuda().eval()
+    x = torch.rand(1, 1, 256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    plain = _grads(model, x)
+    for use_triton in (True, False):
+        comp = Compressor(bits=4, group=256, min_numel=4096, use_triton=use_triton, seed=1)
+        try:
+            patch_relus(model, comp)
+            cosine, _ = gradient_deviation(_grads(model, x, (comp.pack, comp.unpack)), plain)
+        finally:
+            for m in model.modules():
+                m.__dict__.pop("forward", None)
+        assert cosine > 0.99, (use_triton, cosine)

@@ -184,3 +184,19 @@ def test_gpu_gradients_match_without_offload():
     offloaded = _grads(model, x, (off.pack, off.unpack))
     assert off.offloaded_bytes > 0
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_gradients_identical_to_plain_offload():
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    model = build_unet(seed=0).cuda().eval()
+    x = torch.rand(2, 1, 256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    plain = Offloader(torch.device("cuda"), CPU, min_bytes=64 * 1024, pin_memory=True)
+    expected = _grads(model, x, (plain.pack, plain.unpack))
+    ahead = Offloader(torch.device("cuda"), CPU, min_bytes=64 * 1024, pin_memory=True, prefetch=4)
+    for _ in range(2):
+        grads = _grads(model, x, (ahead.pack, ahead.unpack))
+        assert all(torch.equal(a, b) for a, b in zip(expected, grads))
+    assert ahead.stats["prefetched"] > 0.8 * (ahead.stats["prefetched"] + ahead.stats["on_demand"])
+    assert ahead.stats["max_in_flight"] == 4
