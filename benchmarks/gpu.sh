@@ -3,11 +3,11 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [allocator] [lowrank] [native] [daso]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [allocator] [lowrank] [native] [daso] [tile] [tile-4188] [ladder] [tile-native] [compress] [compress-4160] [compress-kernels] [compress-offload] [compress-quality]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
-# TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / TRIACCEL_ARGS /
-# OVERHEAD_ARGS / COMPILE_ARGS / ALLOCATOR_ARGS / LOWRANK_ARGS (e.g. "--sizes 2048")
+# TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
+# OVERHEAD_ARGS / COMPILE_ARGS / ALLOCATOR_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS (e.g. "--sizes 2048")
 # replace a benchmark's arguments. Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +43,7 @@ for item in $STEPS; do
         techniques) $PY benchmarks/bench_techniques.py --skip loss --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
         techniques-loss) $PY benchmarks/bench_techniques.py --skip memory --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques-loss.md" 2>&1 | tee "$RES/techniques-loss.log" ;;
         maxres) $PY benchmarks/bench_maxres.py --out "$RES/maxres" ${MAXRES_ARGS:-} 2>&1 | tee "$RES/maxres.log" ;;
+        accumulate) $PY benchmarks/bench_accumulate.py --out "$RES/accumulate" ${ACCUMULATE_ARGS:-} 2>&1 | tee "$RES/accumulate.log" ;;
         triaccel) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel" ${TRIACCEL_ARGS:-} 2>&1 | tee "$RES/triaccel.log" ;;
         kernels) $PY benchmarks/bench_kernels.py --out "$RES/kernels" 2>&1 | tee "$RES/kernels.log" ;;
         bnlag) $PY benchmarks/bench_bn_lag.py --out "$RES/bnlag" ${BNLAG_ARGS:---size 2048 --steps 24 --precisions fp32,fp16} 2>&1 | tee "$RES/bnlag.log" ;;
@@ -53,6 +54,10 @@ for item in $STEPS; do
         native) $PY benchmarks/bench_native.py --out "$RES/native" 2>&1 | tee "$RES/native.log" ;;
         lowrank) $PY benchmarks/bench_lowrank.py --out "$RES/lowrank" ${LOWRANK_ARGS:-} 2>&1 | tee "$RES/lowrank.log" ;;
         daso) $PY benchmarks/bench_daso_ab.py --out "$RES/daso" ${DASO_ARGS:-} 2>&1 | tee "$RES/daso.log" ;;  # needs 2 GPUs
+        tile) $PY benchmarks/bench_tile.py --out "$RES/tile" ${TILE_ARGS:---sizes 2048 --tiles 4,8} 2>&1 | tee -a "$RES/tile.log" ;;
+        tile-4188) $PY benchmarks/bench_tile.py --out "$RES/tile" ${TILE4188_ARGS:---sizes 4188 --tiles 8,16} 2>&1 | tee -a "$RES/tile.log" ;;
+        ladder) $PY benchmarks/bench_ladder.py --part ladder --out "$RES/ladder" ${LADDER_ARGS:---budgets 4GiB} 2>&1 | tee -a "$RES/ladder.log" ;;
+        tile-native) $PY benchmarks/bench_ladder.py --part native --out "$RES/ladder" ${TILENATIVE_ARGS:-} 2>&1 | tee -a "$RES/ladder.log" ;;
         compress) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS_ARGS:---sizes 2048 --bases original,checkpoint,amp:bf16+checkpoint} 2>&1 | tee -a "$RES/compress.log" ;;
         compress-4160) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS4160_ARGS:---sizes 4160 --bases amp:bf16+checkpoint,amp:bf16+tile} 2>&1 | tee -a "$RES/compress.log" ;;
         compress-kernels) $PY benchmarks/bench_compress.py --part kernels --out "$RES/compress" 2>&1 | tee -a "$RES/compress.log" ;;
