@@ -33,9 +33,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--part", choices=("ladder", "native"), required=True)
-    p.add_argument("--budgets", default="2GiB,4GiB,6GiB,8GiB", help="ladder: budgets, comma-separated")
-    p.add_argument("--sets", default=LADDER_SETS, help="ladder: technique sets, ';'-separated")
-    p.add_argument("--fit-sizes", default="1024,2048", help="ladder: sizes fitted for the prediction")
+    p.add_argument("--budgets", default="2GiB,4GiB,6GiB,8GiB",
+                   help="ladder: budgets, comma-separated")
+    p.add_argument("--sets", default=LADDER_SETS,
+                   help="ladder: technique sets, ';'-separated")
+    p.add_argument("--fit-sizes", default="1024,2048",
+                   help="ladder: sizes fitted for the prediction")
     p.add_argument("--max-size", type=int, default=8192, help="ladder: largest size probed")
     p.add_argument("--steps", type=int, default=12, help="native: training steps per run")
     p.add_argument("--size", default="4188", help="native: image size")
@@ -109,16 +112,18 @@ def native_table(db: Path) -> list[str]:
         val = epochs[-1].get("val_loss") if epochs else None
         peaks = [m["alloc_peak_bytes"] + m.get("alloc_start_bytes", 0)
                  for m in metrics.values() if "alloc_peak_bytes" in m]
-        rows.append({"label": r["label"], "status": r["status"], "phase": r["failed_phase"],
+        rows.append({"label": r["label"] or r["name"], "status": r["status"], "phase": r["failed_phase"],
                      "peak": max(peaks) if peaks else None, "gpu": r["gpu_name"],
-                     "nvml": max((m.get("nvml_peak_bytes", 0) for m in metrics.values()), default=0),
+                     "nvml": max((m.get("nvml_peak_bytes", 0) for m in metrics.values()),
+                                 default=0),
                      "step": run.get("step_time_s") or run.get("metered_step_time_s"),
                      "msssim": None if val is None else 1 - val,
                      "error": (r["error"] or "")[:100]})
     bf16 = next((r["step"] for r in rows if r["label"].startswith("amp:bf16 ")), None)
     fp32 = next((r["msssim"] for r in rows if r["label"].startswith("float32")), None)
     gpus = sorted({r["gpu"] for r in rows if r["gpu"]})
-    lines = [f"GPU: **{', '.join(gpus) or 'unknown'}**; recorded {time.strftime('%Y-%m-%d %H:%M')}. "
+    when = time.strftime('%Y-%m-%d %H:%M')
+    lines = [f"GPU: **{', '.join(gpus) or 'unknown'}**; recorded {when}. "
              "Allocator peak = largest absolute allocator peak of any phase (no CUDA context); "
              "NVML peak = device memory used, CUDA context included. Validation MS-SSIM after the "
              "same steps on the same phantoms.", "",

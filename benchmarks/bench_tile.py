@@ -68,7 +68,8 @@ def table(db: Path) -> list[str]:
     rdb = ResultsDB(db)
     runs = rdb.query("SELECT * FROM runs ORDER BY id")
     gpus = sorted({r["gpu_name"] for r in runs if r["gpu_name"]})
-    lines = [f"GPU: **{', '.join(gpus) or 'unknown'}**; recorded {time.strftime('%Y-%m-%d %H:%M')}. "
+    when = time.strftime('%Y-%m-%d %H:%M')
+    lines = [f"GPU: **{', '.join(gpus) or 'unknown'}**; recorded {when}. "
              "Phase MB = allocator peak above the memory held when the phase began; run peak MB "
              "= the largest absolute allocator peak of any phase (weights, gradients and "
              "optimizer state included; CUDA context not included). Step time = median of the "

@@ -96,7 +96,8 @@ def test_tiled_step_float32_as_accurate_as_untiled():
     exact = untiled_step(256, 256, torch.float64)
     plain = relative_errors(untiled_step(256, 256, torch.float32), exact)
     tiled = relative_errors(train_step(256, 256, torch.float32, {"levels": 2, "tiles": 4}), exact)
-    over = {n: (tiled[n], plain[n]) for n in exact if tiled[n] > max(TOL[torch.float32], 3 * plain[n])}
+    over = {n: (tiled[n], plain[n]) for n in exact
+            if tiled[n] > max(TOL[torch.float32], 3 * plain[n])}
     assert not over, f"tiled float32 less accurate than untiled: {over}"
 
 
@@ -136,3 +137,25 @@ def test_split_rows_uneven_and_by_rows():
     assert split_rows(72, rows=20) == [(0, 20), (20, 40), (40, 60), (60, 72)]
     with pytest.raises(ValueError):
         split_rows(4, tiles=5)
+
+
+def test_training_loop_validation_tiled_equals_untiled():
+    """train._evaluate goes through the tiled forward (train.val_tile_rows) and gives the same
+    validation figures as the untiled forward (val_tile_rows = 0)."""
+    from conftest import small_config
+
+    from memstudy.datasets import build_datasets
+    from memstudy.techniques.compose import build_pipeline, make_plan
+    from memstudy.train import _evaluate
+
+    cfg = small_config(size=200, val_tile_rows=32)  # padded to 224 rows: 7 strips
+    build = build_pipeline(make_plan(cfg))
+    _, val_set = build_datasets(cfg.data, cfg.train.image_size, cfg.train.batch_size)
+    tiled = _evaluate(build, val_set)
+    assert build.notes["val_tiling"] == "tiled: levels=2, rows=32"
+    cfg.train.val_tile_rows = 0
+    plain = _evaluate(build, val_set)
+    assert build.notes["val_tiling"].startswith("untiled")
+    assert tiled.keys() == plain.keys()
+    for name, value in plain.items():
+        assert tiled[name] == pytest.approx(value, rel=1e-5), name

@@ -172,7 +172,8 @@ class _Stats(torch.autograd.Function):
 
         def grad_of(tile: Tile, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             z = z.to(compute_dtype(z.dtype))
-            coef = (g_mean[:, None, None] + 2 * g_var[:, None, None] * (z.detach() - mean[:, None, None])) / count
+            centred = z.detach() - mean[:, None, None]
+            coef = (g_mean[:, None, None] + 2 * g_var[:, None, None] * centred) / count
             return z, coef
 
         grads = backprop_tiles(sweep, list(saved) + region.params(), ctx.needs_input_grad[3:],
@@ -209,9 +210,13 @@ class _Apply(torch.autograd.Function):
 
 
 def _full_like(part: torch.Tensor, inputs: list[torch.Tensor], sweep: Sweep) -> torch.Tensor:
+    """The region's full output, in the strips' memory format (channels_last stays so)."""
     total = sweep.tiles[-1].own[1]
     factor = part.shape[-2] // (sweep.tiles[0].own[1] - sweep.tiles[0].own[0])
-    return part.new_empty(*part.shape[:2], factor * total, part.shape[-1])
+    nhwc = part.is_contiguous(memory_format=torch.channels_last) and not part.is_contiguous()
+    return torch.empty((*part.shape[:2], factor * total, part.shape[-1]), dtype=part.dtype,
+                       device=part.device,
+                       memory_format=torch.channels_last if nhwc else torch.contiguous_format)
 
 
 def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: int | None,
