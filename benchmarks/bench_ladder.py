@@ -112,7 +112,8 @@ def native_table(db: Path) -> list[str]:
         val = epochs[-1].get("val_loss") if epochs else None
         peaks = [m["alloc_peak_bytes"] + m.get("alloc_start_bytes", 0)
                  for m in metrics.values() if "alloc_peak_bytes" in m]
-        rows.append({"label": r["label"] or r["name"], "status": r["status"], "phase": r["failed_phase"],
+        rows.append({"label": r["label"] or r["name"], "status": r["status"],
+                     "phase": r["failed_phase"],
                      "peak": max(peaks) if peaks else None, "gpu": r["gpu_name"],
                      "nvml": max((m.get("nvml_peak_bytes", 0) for m in metrics.values()),
                                  default=0),
