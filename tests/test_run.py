@@ -82,7 +82,7 @@ def test_nan_loss_is_recorded_as_diverged(db_with_a_run, make_config, monkeypatc
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(image_size=200), "multiple of 32"),
+    (dict(image_size="200x"), "is not a size"),
     (dict(image_size=128), "minimum is 161"),
     (dict(device="cuda"), "train.device"),
     (dict(batch_size=0), "train.batch_size"),
