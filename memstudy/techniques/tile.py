@@ -101,6 +101,9 @@ def _check_composition(plan: Plan) -> None:
     for name, why in CONFLICTS.items():
         if plan.has(name):
             raise ConfigError(f"tile cannot compose with {name}: {why}; drop one of tile, {name}")
+    for name in plan.declaring("splits_model"):  # any other technique that splits the model
+        raise ConfigError(f"tile cannot compose with {name}: it splits the model, tile runs it "
+                          f"whole; drop one of tile, {name}")
     if plan.has("checkpoint") and plan.chosen["checkpoint"].placement == "sqrt":
         raise ConfigError("tile cannot compose with checkpoint:sqrt, which replaces the encoder "
                           "and decoder forward that tile runs stage by stage; use "
