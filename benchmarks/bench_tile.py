@@ -25,7 +25,8 @@ from pathlib import Path
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="output folder (tile.sqlite, tile.md)")
+    p.add_argument("--out", required=True, help="output folder (tile.sqlite, tile.md); cells "
+                   "already in its tile.sqlite are not run again")
     p.add_argument("--sizes", default="2048,4188", help="image sizes (px), comma-separated")
     p.add_argument("--tiles", default="4,8", help="tile counts, comma-separated")
     p.add_argument("--steps", type=int, default=3, help="training steps per cell (1 warm-up)")
@@ -46,8 +47,21 @@ def cells(args: argparse.Namespace) -> list[tuple[str, list[str], list[str]]]:
     return out
 
 
+def recorded(db: Path, size: int, label: str) -> bool:
+    """A cell already recorded (a database carried from an earlier call is resumed)."""
+    if not db.exists():
+        return False
+    from memstudy.store import ResultsDB
+
+    rows = ResultsDB(db).query("SELECT config_json FROM runs WHERE label = ?", (label,))
+    return any(json.loads(r["config_json"])["train"]["image_size"] == size for r in rows)
+
+
 def run_cell(db: Path, size: int, label: str, techniques: list[str], sets: list[str],
              steps: int, timeout: float) -> None:
+    if recorded(db, size, label):
+        print(f"{label} at {size} px: already recorded in {db}", flush=True)
+        return
     cmd = [sys.executable, "-m", "memstudy", "--db", str(db), "run", "--size", str(size),
            "-t", ",".join(techniques), "--device", "cuda", "--steps", str(steps), "-q",
            "--label", label, "--set", "train.warmup_steps=1",

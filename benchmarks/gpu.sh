@@ -54,10 +54,11 @@ for item in $STEPS; do
         native) $PY benchmarks/bench_native.py --out "$RES/native" 2>&1 | tee "$RES/native.log" ;;
         lowrank) $PY benchmarks/bench_lowrank.py --out "$RES/lowrank" ${LOWRANK_ARGS:-} 2>&1 | tee "$RES/lowrank.log" ;;
         daso) $PY benchmarks/bench_daso_ab.py --out "$RES/daso" ${DASO_ARGS:-} 2>&1 | tee "$RES/daso.log" ;;  # needs 2 GPUs
-        tile) $PY benchmarks/bench_tile.py --out "$RES/tile" ${TILE_ARGS:---sizes 2048 --tiles 4,8} 2>&1 | tee -a "$RES/tile.log" ;;
-        tile-4188) $PY benchmarks/bench_tile.py --out "$RES/tile" ${TILE4188_ARGS:---sizes 4188 --tiles 8,16} 2>&1 | tee -a "$RES/tile.log" ;;
-        ladder) $PY benchmarks/bench_ladder.py --part ladder --out "$RES/ladder" ${LADDER_ARGS:---budgets 4GiB} 2>&1 | tee -a "$RES/ladder.log" ;;
-        tile-native) $PY benchmarks/bench_ladder.py --part native --out "$RES/ladder" ${TILENATIVE_ARGS:-} 2>&1 | tee -a "$RES/ladder.log" ;;
+        # tile / ladder databases sit in $RES itself, so .carry/*.sqlite resumes them
+        tile) $PY benchmarks/bench_tile.py --out "$RES" ${TILE_ARGS:---sizes 2048 --tiles 4,8} 2>&1 | tee -a "$RES/tile.log" ;;
+        tile-4188) $PY benchmarks/bench_tile.py --out "$RES" ${TILE4188_ARGS:---sizes 4188 --tiles 8,16} 2>&1 | tee -a "$RES/tile.log" ;;
+        ladder) $PY benchmarks/bench_ladder.py --part ladder --out "$RES" ${LADDER_ARGS:---budgets 4GiB --sets amp:bf16,checkpoint,offload,tile:16} 2>&1 | tee -a "$RES/ladder.log" ;;
+        tile-native) $PY benchmarks/bench_ladder.py --part native --out "$RES" ${TILENATIVE_ARGS:-} 2>&1 | tee -a "$RES/ladder.log" ;;
         compress) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS_ARGS:---sizes 2048 --bases original,checkpoint,amp:bf16+checkpoint} 2>&1 | tee -a "$RES/compress.log" ;;
         compress-4160) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS4160_ARGS:---sizes 4160 --bases amp:bf16+checkpoint,amp:bf16+tile} 2>&1 | tee -a "$RES/compress.log" ;;
         compress-kernels) $PY benchmarks/bench_compress.py --part kernels --out "$RES/compress" 2>&1 | tee -a "$RES/compress.log" ;;
