@@ -224,4 +224,4 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("compile", Stage.COMPILE, Options,
                    "torch.compile: fused kernels; memory_budget recomputes in backward to cap "
-                   "saved activations", apply, check))
+                   "saved activations", apply, check, compiles=True))
