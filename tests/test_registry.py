@@ -224,7 +224,7 @@ PAIRS = {  # every pair of SPECS, in registry (composition) order
     ('tile', 'fsdp'): 'tile cannot compose with fsdp',
     ('tile', 'zero'): ZERO_REFUSED,
     ('tile', 'amp:bf16'): OK,
-    ('tile', 'tri_accel:low=bf16:elastic=off'): OK,
+    ('tile', 'tri_accel:low=bf16:elastic=off'): 'tile cannot compose with tri_accel:precision',
     ('tile', 'accumulate'): OK,
     ('offload', 'compile:backend=aot_eager'): OFFLOAD_REFUSED,
     ('offload', 'daso'): OFFLOAD_REFUSED,

@@ -28,7 +28,8 @@ the decoder blocks and stem that tile runs are not run through their wrapped for
 and saved-tensor compression (they see the region boundaries, which tile's Functions save), dp.
 Refused: checkpoint:sqrt (it replaces the encoder/decoder forward that tile runs stage by stage),
 mp / pipeline / fsdp (the model is split or its parameters sharded), quantization (fake
-quantizers would observe each tile separately), compile (not traced through tile's Functions).
+quantizers would observe each tile separately), compile (not traced through tile's Functions),
+tri_accel:precision (per-unit autocast set by wrapping block forwards that tile bypasses).
 """
 from __future__ import annotations
 
@@ -104,6 +105,10 @@ def _check_composition(plan: Plan) -> None:
     for name in plan.declaring("splits_model"):  # any other technique that splits the model
         raise ConfigError(f"tile cannot compose with {name}: it splits the model, tile runs it "
                           f"whole; drop one of tile, {name}")
+    if plan.has("tri_accel") and plan.chosen["tri_accel"].precision:
+        raise ConfigError("tile cannot compose with tri_accel:precision, which sets autocast per "
+                          "unit by wrapping the stem and decoder blocks' forward that tile runs "
+                          "piecewise; use tri_accel:precision=off with tile")
     if plan.has("checkpoint") and plan.chosen["checkpoint"].placement == "sqrt":
         raise ConfigError("tile cannot compose with checkpoint:sqrt, which replaces the encoder "
                           "and decoder forward that tile runs stage by stage; use "
