@@ -25,7 +25,6 @@ from memstudy.runtime import Runtime, StepInfo
 SCHEDULES = ("constant", "warmup_cosine")
 SCALINGS = ("none", "linear")
 DEFAULT_MIN_RATIO = 0.1  # the paper's "typically 0.1 * eta_base"
-SPLIT_GRADIENTS = ("fsdp", "mp", "pipeline")  # gradients of one model spread over ranks
 
 
 def check_settings(t) -> None:
@@ -59,19 +58,16 @@ def check_settings(t) -> None:
 
 def check_plan(plan) -> None:
     """Combinations refused before anything is built (called by make_plan)."""
-    t, names = plan.config.train, set(plan.chosen)
+    t = plan.config.train
     scheduled = t.lr_schedule != "constant" or t.lr_scaling != "none"
-    if scheduled and "tri_accel" in names:
-        raise ConfigError("tri_accel sets every unit's learning rate at each control step; "
-                          "use train.lr_schedule = 'constant' and train.lr_scaling = 'none' "
-                          "with it (tri_accel:lr_scaling scales for its batch changes)")
-    for name in names & {"mp", "pipeline"}:
-        if scheduled and plan.chosen[name].scheduler != "none":
-            raise ConfigError(f"{name}:scheduler and train.lr_schedule / lr_scaling both set the "
-                              f"learning rate; drop {name}:scheduler or the train setting")
-    if t.clip_norm is not None and names & set(SPLIT_GRADIENTS):
-        which = sorted(names & set(SPLIT_GRADIENTS))[0]
-        raise ConfigError(f"train.clip_norm with {which}: each rank holds only part of the "
+    for name in plan.declaring("sets_learning_rate") if scheduled else []:
+        how = plan.techniques[name].value("sets_learning_rate", plan.chosen[name])
+        raise ConfigError(f"{name} {how}; train.lr_schedule / lr_scaling would set it too: use "
+                          f"train.lr_schedule = 'constant' and train.lr_scaling = 'none' with "
+                          f"{name}, or change {name}'s options")
+    split = plan.declaring("splits_gradients")  # declared by the technique (base.Technique)
+    if t.clip_norm is not None and split:
+        raise ConfigError(f"train.clip_norm with {split[0]}: each rank holds only part of the "
                           "gradients, so a per-rank norm is not eq. 12's; drop clip_norm")
     if t.lr_schedule == "warmup_cosine":
         total = total_steps(plan.config)

@@ -25,16 +25,16 @@ from memstudy.models.unet import STRIDE, pad_to_stride
 from memstudy.sizes import size_hw
 
 
-def check_split_size(plan, owner: str) -> None:
-    """Refuse a size the process split cannot crop back (see the module docstring)."""
+def check_split_size(plan, owner: str, alternative: str = "") -> None:
+    """Refuse a size the process split cannot crop back (see the module docstring);
+    `alternative` is the owner's own way around it, told in the message."""
     size = plan.config.train.image_size
     hw = size_hw(size)
     if hw is None or hw[0] % STRIDE or hw[1] % STRIDE:
         raise ConfigError(f"{owner} splits the network across two processes, and the decoder's "
                           f"process cannot crop the padding that a train.image_size of {size!r} "
                           f"needs: use a train.image_size whose sides are multiples of {STRIDE}"
-                          + (", or mp:mode=local (one process, pads and crops)"
-                             if owner == "mp" else ""))
+                          + (f", or {alternative}" if alternative else ""))
 
 
 class _Protocol:

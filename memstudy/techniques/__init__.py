@@ -65,9 +65,15 @@ def parse_techniques(specs: list[str]) -> dict[str, Any]:
     return {tech.name: opts for tech, opts in ordered}
 
 
+def declaring(specs: list[str], fact: str) -> list[str]:
+    """Techniques of `specs` (in composition order) whose declared `fact` holds for their
+    options: what the harness asks instead of naming techniques (Plan.declaring once planned)."""
+    return [n for n, o in parse_techniques(specs).items() if get_technique(n).holds(fact, o)]
+
+
 def shards_batch(specs: list[str]) -> bool:
     """Whether a technique of `specs` splits each global batch over the ranks."""
-    return any(get_technique(n).holds("shards_batch", o) for n, o in parse_techniques(specs).items())
+    return bool(declaring(specs, "shards_batch"))
 
 
 def canonical(specs: list[str]) -> list[str]:
@@ -76,4 +82,5 @@ def canonical(specs: list[str]) -> list[str]:
 
 
 __all__ = ["Build", "Plan", "Stage", "Technique", "register", "list_techniques",
-           "get_technique", "parse_techniques", "canonical", "composition_key", "shards_batch"]
+           "get_technique", "parse_techniques", "canonical", "composition_key", "declaring",
+           "shards_batch"]

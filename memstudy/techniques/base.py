@@ -118,6 +118,11 @@ class Technique:
     gpus_per_process: Fact = 1  # GPUs each process of the run holds
     splits_model: Fact = False  # replaces the model by a part of it on each device, so it must
     # see the final modules (highest order of STRUCTURE) and nothing may chain the whole model
+    splits_gradients: Fact = False  # each rank holds only part of the gradients (a per-rank
+    # gradient norm is not the model's)
+    sets_learning_rate: Fact = False  # a text saying how it sets the learning rate itself
+    # (the training policy's schedule and scaling would fight it), or False
+    compiles: Fact = False  # the first step compiles the model (its time is recorded apart)
 
     def value(self, fact: str, options: Any) -> Any:
         """A declared fact for these options."""

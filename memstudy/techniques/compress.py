@@ -508,4 +508,5 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("compress", Stage.ACTIVATION, Options,
                    "saved activations quantised to 8/4/2 bits: memory for two passes and "
-                   "gradient noise", apply, check))
+                   "gradient noise", apply, check, order=40))  # before offload (60): offload
+# moves the compressed bytes (runtime.add_saved_tensor_transform)

@@ -46,7 +46,7 @@ def check(opts: Options, plan: Plan) -> None:
     if opts.mode == "local":
         _check_local(plan)
         return
-    check_split_size(plan, "mp")
+    check_split_size(plan, "mp", alternative="mp:mode=local (one process, pads and crops)")
     context.check_world(plan, "mp", exact=2)
     context.resolve_backend(opts.backend, plan.device, "mp", gloo_on_cuda=False)
 
@@ -116,7 +116,12 @@ def _gpus_per_process(opts: Options) -> int:
     return 2 if opts.mode == "local" else 1
 
 
+def _sets_learning_rate(opts: Options) -> str | bool:
+    return opts.scheduler != "none" and f"sets the learning rate with mp:scheduler={opts.scheduler}"
+
+
 register(Technique("mp", Stage.STRUCTURE, Options,
                    "model parallel: encoder and decoder on two devices (one process or two)",
                    apply, check, order=90, owns_process_group=_owns_group,
-                   gpus_per_process=_gpus_per_process, splits_model=True))
+                   gpus_per_process=_gpus_per_process, splits_model=True, splits_gradients=True,
+                   sets_learning_rate=_sets_learning_rate))

@@ -112,6 +112,12 @@ class PipelinedStep:
         return value
 
 
+def _sets_learning_rate(opts: Options) -> str | bool:
+    return (opts.scheduler != "none"
+            and f"sets the learning rate with pipeline:scheduler={opts.scheduler}")
+
+
 register(Technique("pipeline", Stage.STRUCTURE, Options,
                    "pipeline: the mp split over micro-batches (GPipe / 1F1B), two ranks",
-                   apply, check, order=90, owns_process_group=True, splits_model=True))
+                   apply, check, order=90, owns_process_group=True, splits_model=True,
+                   splits_gradients=True, sets_learning_rate=_sets_learning_rate))

@@ -108,4 +108,5 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("tri_accel", Stage.RUNTIME, Options,
                    "per-unit adaptive precision + curvature-scaled LR + elastic batch (Tri-Accel)",
-                   apply, check, order=20))
+                   apply, check, order=20,
+                   sets_learning_rate="sets every unit's learning rate at each control step"))
