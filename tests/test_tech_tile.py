@@ -146,3 +146,31 @@ def test_gpu_tiled_step_matches_and_lowers_the_peak():
         del model
     assert _global_error(results[8][0], results[0][0]) < 1e-3
     assert results[8][1] < results[0][1] / 2, (results[8][1], results[0][1])
+
+
+def test_offload_hooks_see_the_boundaries_and_keep_gradients():
+    """What offload / compression act on: the tensors tile's Functions save go through the
+    saved-tensor hooks (here offload's own pack / unpack, host = compute = cpu), and the
+    gradients are unchanged by the round trip. The input image is saved by nothing but tile's
+    Functions (the stem is tiled), so seeing it packed shows they use the hooks."""
+    from memstudy.techniques.offload import Offloader
+
+    x = torch.rand(1, 1, 192, 192)  # a multiple of 32: the model's padding returns x itself
+    grads, packed = [], set()
+    for hooks in (False, True):
+        model = build_unet(seed=0)
+        model.forward_padded = TiledForward(model, 2, tiles=3)
+        offloader = Offloader(torch.device("cpu"))
+
+        def pack(t):
+            packed.add(t.untyped_storage().data_ptr())
+            return offloader.pack(t)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, offloader.unpack) if hooks \
+                else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = model(x).square().mean()
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert x.untyped_storage().data_ptr() in packed
+    assert offloader.offloaded_bytes >= x.nbytes
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
