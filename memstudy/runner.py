@@ -30,7 +30,7 @@ from memstudy.meters.flops import model_flops_per_step, pixel_count
 from memstudy.meters.nvml import EnergyCounter
 from memstudy.quality import min_image_size
 from memstudy.store import ResultsDB, RunRecord
-from memstudy.techniques import canonical
+from memstudy.techniques import canonical, declaring
 from memstudy.techniques.compose import build_pipeline, make_plan, prepare_process
 from memstudy.train import TrainState, check_measurable, train
 
@@ -163,7 +163,8 @@ def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
 
 
 def _compiled(config: RunConfig) -> bool:
-    return any(t.split(":")[0] == "compile" for t in config.techniques)
+    """A technique of the run compiles the model in its first step (declared fact)."""
+    return bool(declaring(config.techniques, "compiles"))
 
 
 def allocator_settings() -> str | None:
@@ -173,7 +174,8 @@ def allocator_settings() -> str | None:
 
 
 def _compiled(config: RunConfig) -> bool:
-    return any(t.split(":")[0] == "compile" for t in config.techniques)
+    """A technique of the run compiles the model in its first step (declared fact)."""
+    return bool(declaring(config.techniques, "compiles"))
 
 
 def _micro_batches(series: list[tuple[int, int, str, float]]) -> int:

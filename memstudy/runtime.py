@@ -20,16 +20,12 @@ from torch import nn
 PackHook = Callable[[Any], Any]  # a tensor, or what an earlier transform packed it into
 UnpackHook = Callable[[Any], Any]
 
-# Where each saved-tensor transform sits in the chain, whatever order techniques are applied in:
-# pack runs in increasing position, unpack in reverse. Compression comes before offload, so
-# offload moves the compressed bytes and brings them back before they are decompressed.
-TRANSFORM_POSITIONS = {"compress": 10, "offload": 20}
 BOUNDARY = "_memstudy_boundary"  # attribute set on tensors kept between regions
 
 
 @dataclass(frozen=True)
 class SavedTensorTransform:
-    owner: str  # the technique's name; its place in the chain is TRANSFORM_POSITIONS[owner]
+    owner: str  # the technique's name; its place in the chain is its composition order
     pack: PackHook
     unpack: UnpackHook
 
@@ -86,7 +82,7 @@ class Runtime:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer]
     forward_contexts: list[Callable[[], ContextManager]] = field(default_factory=list)
-    # The chain of saved-tensor transforms (compress, offload), in TRANSFORM_POSITIONS order.
+    # The chain of saved-tensor transforms (compress, offload), in composition order.
     saved_tensor_transforms: list[SavedTensorTransform] = field(default_factory=list)
     saved_tensor_observers: list[Callable[[Any], None]] = field(default_factory=list)
     scaler: Any = None  # torch.amp.GradScaler when float16 is in use
@@ -118,13 +114,17 @@ class Runtime:
     pre_step_hooks: list[Callable[[torch.optim.Optimizer], None]] = field(default_factory=list)
 
     def add_saved_tensor_transform(self, pack: PackHook, unpack: UnpackHook, owner: str) -> None:
-        if owner not in TRANSFORM_POSITIONS:
-            raise RuntimeError(f"{owner}: no place in the saved-tensor chain; add it to "
-                               "runtime.TRANSFORM_POSITIONS")
+        """Add the technique `owner`'s transform to the chain. Its place is the technique's
+        composition order (stage, declared order, name), whatever order transforms are added
+        in: pack runs in that order, unpack in reverse. compress (order 40) comes before
+        offload (order 60), so offload moves the compressed bytes and brings them back before
+        they are decompressed."""
+        from memstudy.techniques import composition_key, get_technique  # the registry only
+
         if any(t.owner == owner for t in self.saved_tensor_transforms):
             raise RuntimeError(f"{owner}: already transforms saved tensors")
         self.saved_tensor_transforms.append(SavedTensorTransform(owner, pack, unpack))
-        self.saved_tensor_transforms.sort(key=lambda t: TRANSFORM_POSITIONS[t.owner])
+        self.saved_tensor_transforms.sort(key=lambda t: composition_key(get_technique(t.owner)))
 
     def forward_context(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
