@@ -14,7 +14,7 @@ from memstudy.techniques import get_technique
 from memstudy.techniques.base import Plan
 from memstudy.techniques.compress import (Compressor, Quantized, gradient_deviation,
                                           patch_relus)
-from memstudy.techniques.offload import Offloader
+from memstudy.techniques.offload import OFFLOADED, Offloader
 from helpers import measured_step, saved_bytes
 
 TECH = get_technique("compress")
@@ -268,8 +268,12 @@ def test_compress_then_offload_moves_fewer_bytes_same_gradients(model_x_plain):
     off = Offloader(CPU, CPU, min_bytes=1024, prefetch=2)
     rt.add_saved_tensor_transform(off.pack, off.unpack, "offload")
     rt.add_saved_tensor_transform(comp.pack, comp.unpack, "compress")
-    grads = _grads(model, x, rt._saved_tensor_hooks())
+    pack, unpack = rt._saved_tensor_hooks()
+    saved = []
+    grads = _grads(model, x, (lambda t: saved.append(pack(t)) or saved[-1], unpack))
     assert all(torch.equal(a, b) for a, b in zip(grads, reference))  # same draws, same bytes
+    quantized = [q for q in saved if isinstance(q, Quantized)]
+    assert quantized and all(hasattr(q.codes, OFFLOADED) for q in quantized)  # codes moved
     assert 0 < off.offloaded_bytes < plain_off.offloaded_bytes / 5  # measured ~1/7
     assert off.stats["prefetched"] > 0
 
