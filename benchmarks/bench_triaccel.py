@@ -1,6 +1,17 @@
 """Tri-Accel on the U-Net (seeds/000 Tables 1 and 2, adapted): GPU benchmark, run by the lead.
 
     python benchmarks/bench_triaccel.py --out benchmarks/results/triaccel [--sizes 1024 2048]
+        [--parts stats ablation] [--tri-extra ":tau_low=1e-7:tau_high=1e-3"]
+
+Part `stats` (triaccel_stats.md): the per-unit gradient statistics, median of 50 launches
+(CUDA events) on the U-Net's real gradients at --stats-size px: `loop` (one torch.var_mean per
+unit over its concatenated .grad tensors), `cat+kernel` (torch.cat of every .grad + the Triton
+kernel: the old path), `flat` (the kernel on the flat gradient buffer, read in place, plus the
+per-step memset of the buffer), then whole training steps of tri_accel:precision=on (curvature
+and elastic off) with grad_layout=flat / separate and stats=triton / torch: median plain step
+time and allocator peak, i.e. the statistics end to end, in place or gathered.
+
+Part `ablation`:
 
 Configurations (cumulative, as the paper's ablation):
   fp32        plain float32 (the paper's "FP32 baseline" / "Standard Training")
@@ -8,7 +19,8 @@ Configurations (cumulative, as the paper's ablation):
   +batch      amp:fp16 + tri_accel elastic batch only (precision and curvature off)
   +precision  tri_accel elastic batch + per-unit adaptive precision (curvature off)
   tri_accel   all three parts
-Every run: synthetic phantoms, batch 1 to start, the same epochs, a budget of 16 GiB (the
+--tri-extra appends options to every tri_accel spec (e.g. thresholds found by
+`memstudy tune benchmarks/specs/tune-triaccel.toml`). Every run: synthetic phantoms, batch 1 to start, the same epochs, a budget of 16 GiB (the
 paper's T4/P100 cards, emulated by memstudy's allocator cap), every step after one warm-up
 step measured so the peak covers the whole run. Writes triaccel.sqlite and triaccel.md
 into --out: peak memory, time per epoch, validation quality and the efficiency score
@@ -24,6 +36,10 @@ from pathlib import Path
 import torch
 
 from memstudy.config import RunConfig
+from memstudy.kernels.grad_stats import flatten, make_layout, segment_stats
+from memstudy.models import build_unet
+from memstudy.triaccel.control_units import unet_units
+from memstudy.triaccel.flat_grads import FlatGradients
 from memstudy.runner import execute
 from memstudy.store import ResultsDB
 from memstudy.triaccel.score import run_efficiency
@@ -55,26 +71,91 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--train-images", type=int, default=12)
     p.add_argument("--budget", default="16GiB")
+    p.add_argument("--parts", nargs="+", choices=("stats", "ablation"), default=["stats", "ablation"])
+    p.add_argument("--stats-size", type=int, default=1024)
+    p.add_argument("--tri-extra", default="", help="options appended to every tri_accel spec")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_triaccel needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     db = ResultsDB(args.out / "triaccel.sqlite")
+    if "stats" in args.parts:
+        (args.out / "triaccel_stats.md").write_text(stats_part(db, args))
+        print((args.out / "triaccel_stats.md").read_text(), flush=True)
+    if "ablation" not in args.parts:
+        return 0
     rows = []
     for size in args.sizes:
         for name, techniques in CONFIGS.items():
+            techniques = [t + args.tri_extra if t.startswith("tri_accel") else t for t in techniques]
             t0 = time.perf_counter()
             rec = execute(config(size, techniques, args), db)
             run_id = db.runs()[-1]["id"]
             eff = run_efficiency(db, run_id) if rec.status == "ok" else {}
             batches = [v for _, _, n, v in rec.series if n == "batch_size"]
+            share = [v for _, _, n, v in rec.series if n == "tri/curvature_share"]
             rows.append({"size": size, "name": name, "status": rec.status, "run_id": run_id,
-                         "max_batch": max(batches) if batches else None, **eff})
+                         "max_batch": max(batches) if batches else None,
+                         "curvature_share": share[-1] if share else None, **eff})
             print(f"{size} {name}: {rec.status} {eff} ({time.perf_counter() - t0:.0f} s)", flush=True)
     gpu = torch.cuda.get_device_name()
     (args.out / "triaccel.md").write_text(markdown(rows, gpu, args))
     print(f"wrote {args.out / 'triaccel.md'}")
     return 0
+
+
+def timed(fn, repeat: int = 50) -> float:
+    """Median milliseconds of fn() by CUDA events, after five warm-up calls."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def stats_part(db: ResultsDB, args) -> str:
+    gpu = torch.cuda.get_device_name()
+    model = build_unet().cuda()
+    units = [u.parameters() for u in unet_units(model)]
+    flat = FlatGradients(units, torch.device("cuda"))
+    x = torch.rand(1, 1, args.stats_size, args.stats_size, device="cuda")
+    flat.attach()
+    model(x).square().mean().backward()  # real gradients, in the flat buffer
+    grads = [[p.grad for p in unit] for unit in units]
+    layout = make_layout(flat.sizes, "cuda")
+
+    def flat_step():
+        flat.buffer.zero_()  # what the flat layout adds per step
+        segment_stats(flat.buffer, layout)
+
+    ms = {"loop": timed(lambda: [torch.var_mean(flatten(g), correction=0) for g in grads]),
+          "cat+kernel": timed(lambda: segment_stats(flatten([t for g in grads for t in g]), layout)),
+          "flat (kernel + memset)": timed(flat_step),
+          "flat (kernel alone)": timed(lambda: segment_stats(flat.buffer, layout))}
+    lines = [f"# Tri-Accel gradient statistics ({gpu})", "",
+             f"torch {torch.__version__}; {sum(flat.sizes) / 1e6:.1f} M gradient elements in "
+             f"{len(flat.sizes)} units; median of 50 (ms, CUDA events)", "",
+             "| path | ms | vs loop |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.3f} | {ms['loop'] / v:.2f}x |" for k, v in ms.items()]
+    lines += ["", f"## Whole steps at {args.stats_size} px (tri_accel precision only, batch 1, "
+              "plain-step median)", "", "| grad_layout | stats | status | step ms | peak MB |",
+              "|---|---|---|---|---|"]
+    for layout_name, stats in (("flat", "triton"), ("separate", "triton"), ("separate", "torch")):
+        spec = f"tri_accel:curvature=off:elastic=off:grad_layout={layout_name}:stats={stats}"
+        cfg = config(args.stats_size, [spec], args)
+        cfg.train.warmup_steps, cfg.train.measure_steps, cfg.train.validate = 3, 2, False
+        cfg.data.train_images, cfg.train.epochs = 16, 1
+        rec = execute(cfg, db)
+        run = {n: v for _, ph, n, v in rec.metrics if ph == "run"}
+        lines.append(f"| {layout_name} | {stats} | {rec.status} | "
+                     f"{_f(run.get('step_time_s'), 1e-3, 2)} | {_f(run.get('alloc_peak_total_bytes'), MB, 0)} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(rows: list[dict], gpu: str, args) -> str:
@@ -87,13 +168,14 @@ def markdown(rows: list[dict], gpu: str, args) -> str:
         base = next((r for r in here if r["name"] == "fp32" and r.get("peak_bytes")), None)
         lines += [f"## {size} px", "",
                   "| config | status | val MS-SSIM % | time/epoch s | peak MB | memory % | "
-                  "vs fp32 | max batch | score |", "|---|---|---|---|---|---|---|---|---|"]
+                  "vs fp32 | max batch | curvature share | score |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in here:
             red = (f"{100 * (1 - r['peak_bytes'] / base['peak_bytes']):+.1f}% less"
                    if base and r.get("peak_bytes") else "-")
             lines.append(f"| {r['name']} | {r['status']} | {_f(r.get('quality_pct'))} | "
                          f"{_f(r.get('time_per_epoch_s'))} | {_f(r.get('peak_bytes'), MB, 0)} | "
-                         f"{_f(r.get('memory_pct'))} | {red} | {r.get('max_batch')} | {_f(r.get('score'), 1, 3)} |")
+                         f"{_f(r.get('memory_pct'))} | {red} | {r.get('max_batch')} | {_f(r.get('curvature_share'), 1, 3)} | {_f(r.get('score'), 1, 3)} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -9,7 +9,10 @@ twice a step's activation memory on a small batch; it buys per-unit learning rat
 eta_l = eta_0 / (1 + alpha * max(0, lambda_max)). Elastic batch: uses memory left free by
 growing the batch (fewer, larger steps per epoch) and shrinks it near the budget or after an
 out-of-memory error, which is caught and the step retried. Statistics cost one fused Triton
-kernel per step on a GPU. Each part can be switched off alone: `tri_accel:curvature=off`.
+kernel per step on a GPU, reading the gradients in place from one flat buffer they live in
+(`grad_layout=flat`: the gradients stay allocated between steps); the curvature estimates are
+skipped when they would take more than `curv_budget` of the training time. Each part can be
+switched off alone: `tri_accel:curvature=off`.
 docs/triaccel.md gives every option and what is recorded.
 """
 from __future__ import annotations
@@ -34,7 +37,14 @@ class Options:
                                                "help": "lowest tier (bf16 on the CPU)"})
     stats: str = field(default="auto", metadata={"choices": ("auto", "triton", "torch"),
                                                  "help": "variance kernel: auto = triton on GPU"})
+    grad_layout: str = field(default="flat", metadata={
+        "choices": ("flat", "separate"),
+        "help": "flat: every .grad a view into one buffer the statistics read in place; "
+                "separate: PyTorch's own gradients, concatenated for the statistics"})
     t_curv: int = field(default=50, metadata={"help": "curvature interval (multiple of t_ctrl)"})
+    curv_budget: float = field(default=0.1, metadata={
+        "help": "largest share of the training time the curvature estimates may take; a due "
+                "estimate is skipped when the last one's cost would exceed it (1: never skip)"})
     b_curv: int = field(default=1, metadata={"help": "curvature mini-batch size"})
     curv_crop: int = field(default=0, metadata={"help": "centre crop (px) for curvature; 0: full"})
     top_k: int = field(default=1, metadata={"help": "Hessian eigenvalues per unit"})
@@ -97,6 +107,8 @@ def _check_numbers(o: Options) -> None:
         raise ConfigError(f"tri_accel:curv_crop={o.curv_crop} must be 0 or a multiple of 32")
     if o.alpha < 0:
         raise ConfigError(f"tri_accel:alpha must be >= 0 (got {o.alpha})")
+    if not 0 < o.curv_budget <= 1:
+        raise ConfigError(f"tri_accel:curv_budget must be in (0, 1] (got {o.curv_budget})")
 
 
 def apply(opts: Options, build: Build) -> None:

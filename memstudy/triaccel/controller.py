@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import traceback
 from typing import Any
 
@@ -21,6 +22,7 @@ from memstudy.kernels.grad_stats import flatten, make_layout, segment_stats, seg
 from memstudy.runtime import StepInfo
 from memstudy.triaccel.curvature import unit_eigenvalues
 from memstudy.triaccel.elastic import CudaMemory, ElasticBatch, MeterMemory
+from memstudy.triaccel.flat_grads import FlatGradients
 from memstudy.triaccel.precision import (LEVELS, UnitPrecision, VarianceEMA, assign_precision,
                                          float_output)
 from memstudy.triaccel.control_units import unet_units
@@ -45,6 +47,19 @@ class TriAccelController:
             if opts.low == "fp16":  # FP16 units may appear at any control step: scale the loss
                 self.rt.scaler = torch.amp.GradScaler(self.device.type)
         self._layout, self._curv_batch, self._capture = None, None, False
+        self.flat = None
+        if opts.precision and opts.grad_layout == "flat":
+            self.flat = FlatGradients([self.params[u.name] for u in self.units], self.device)
+            inner_backward = self.rt.backward
+
+            def backward(loss: torch.Tensor) -> None:
+                self.flat.attach()  # the step's first backward: views back, buffer zeroed
+                inner_backward(loss)
+
+            self.rt.backward = backward
+        # curvature cost bound: training wall time since the first step, and the estimates' share
+        self._started: float | None = None
+        self.curv_spent, self._curv_last = 0.0, None
         if opts.curvature:
             build.model.register_forward_pre_hook(self._capture_input)
             self.rt.loss_fn = _CapturingLoss(self.rt.loss_fn, self)
@@ -73,11 +88,17 @@ class TriAccelController:
 
     def _collect_stats(self, optimizer, args, kwargs) -> None:
         """Before each optimizer step (gradients unscaled): every unit's gradient variance."""
+        if self.flat is not None and self.flat.attached():  # in place: no gathering copy
+            sizes, flat = self.flat.sizes, self.flat.buffer
+            self._update_ema(sizes, flat)
+            return
         grads = [[p.grad for p in self.params[u.name] if p.grad is not None] for u in self.units]
         if any(not g for g in grads):
             return  # a unit without gradients this step: nothing comparable to average in
         sizes = [sum(g.numel() for g in unit) for unit in grads]
-        flat = flatten([g for unit in grads for g in unit])
+        self._update_ema(sizes, flatten([g for unit in grads for g in unit]))
+
+    def _update_ema(self, sizes: list[int], flat: torch.Tensor) -> None:
         use_kernel = self.opts.stats == "triton" or (self.opts.stats == "auto" and flat.is_cuda)
         if use_kernel:
             if self._layout is None or self._layout[0] != sizes:  # built once: no per-step sync
@@ -107,13 +128,20 @@ class TriAccelController:
     # -- the control loop --------------------------------------------------------------------------
     def on_step(self, info: StepInfo) -> None:
         self.step = info.step
+        if self._started is None:  # the clock starts after the first step (its own time unknown)
+            self._started = time.perf_counter()
         if info.step % self.opts.t_ctrl == 0:
             self.control(info.step)
         self._capture = self.opts.curvature and (info.step + 1) % self.opts.t_curv == 0
 
     def control(self, step: int) -> None:
         if self.opts.curvature and step % self.opts.t_curv == 0:
-            self._estimate_curvature(step)
+            if self._curvature_affordable():
+                self._timed_curvature(step)
+            else:
+                self._curv_batch = None
+                self._row(step, "curvature_skipped", 1.0)
+            self._row(step, "curvature_share", self.curv_spent / self._elapsed())
         if self.precision is not None and self.ema.value is not None:
             self._set_precisions(step)
         if self.elastic is not None:
@@ -123,6 +151,23 @@ class TriAccelController:
             self._row(step, "mem_capacity_bytes", self.probe.capacity)
             self._row(step, "batch_next", self.rt.batch_size)
         self._set_learning_rates(step)
+
+    def _elapsed(self) -> float:
+        return max(time.perf_counter() - self._started, 1e-9)
+
+    def _curvature_affordable(self) -> bool:
+        return curvature_affordable(self.curv_spent, self._curv_last, self._elapsed(),
+                                    self.opts.curv_budget)
+
+    def _timed_curvature(self, step: int) -> None:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
+        sync(self.device)
+        t0 = time.perf_counter()
+        self._estimate_curvature(step)
+        sync(self.device)
+        self._curv_last = time.perf_counter() - t0
+        self.curv_spent += self._curv_last
+        self._row(step, "curvature_s", self._curv_last)
 
     def _estimate_curvature(self, step: int) -> None:
         if self._curv_batch is None or self._curv_batch[1] is None:
@@ -203,6 +248,16 @@ class _CapturingLoss:
     def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.controller.capture_target(y)
         return self.inner(out, y)
+
+
+def curvature_affordable(spent: float, last: float | None, elapsed: float, budget: float) -> bool:
+    """Whether another curvature estimate, costing what the last one did, keeps the estimates'
+    share of the training time within `budget`: (spent + last) / (elapsed + last) <= budget,
+    `elapsed` the wall time since the first step (estimates included). The first always runs
+    (its cost is unknown until measured), so the bound holds from the second estimate on."""
+    if last is None:
+        return True
+    return spent + last <= budget * (elapsed + last)
 
 
 def _cumsum(sizes: list[int]) -> list[int]:
