@@ -361,6 +361,7 @@ def test_facts_are_declared_not_named():
     process = plan(["mp"], 2)
     assert process.group_owners() == ["mp"] and process.gpus_needed() == 2
     assert make_plan(tiny_config(["checkpoint"])).gpus_needed() == 0  # the CPU holds no GPU
+    assert plan([], 1).gpus_needed() == 1  # no technique: one process, one GPU
     with pytest.raises(ConfigError, match="dp and fsdp each need the whole process group|drop"):
         plan(["dp", "fsdp"], 2)
     with pytest.raises(ConfigError, match="no distributed technique uses them"):
