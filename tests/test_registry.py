@@ -4,9 +4,10 @@ Each entry is OK (make_plan accepts the combination, and two optimizer steps tra
 real run path, runner.execute, to a finite loss) or the start of the exact refusal (make_plan
 raises a ConfigError containing it, before anything is built). So a technique that starts
 refusing, refuses for another reason, or stops training fails here, and a new technique fails
-`test_the_table_has_a_row_for_every_technique_and_pair` until its rows are added. To add them:
-`python tests/test_registry.py` prints the current outcomes in this format; read each refusal
-before pasting it (it is what a user will be told).
+`test_the_table_has_a_row_for_every_technique_and_pair` until its rows are added. To add them,
+`python -c "import sys; sys.path.insert(0, 'tests'); import test_registry as t; t._print_table()"`
+prints the current outcomes in this format; read each refusal before pasting it (it is what a
+user will be told).
 
 All entries share one tiny configuration (`tiny_config`: 64 px, one MS-SSIM scale, SGD, one
 warm-up and one measured step, no validation) with world_size 1 on the CPU; distributed
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -401,7 +401,3 @@ def _literal(outcome: str) -> str:
     known = {v: k for k, v in globals().items() if k.endswith("_REFUSED")}
     return "OK" if outcome == OK else known.get(outcome, repr(outcome))
 
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
-    _print_table()
