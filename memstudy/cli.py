@@ -245,19 +245,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_tune(args: argparse.Namespace) -> int:
-    from memstudy.tune import load_spec, run_tune
-
-    spec = load_spec(args.spec)  # refuses a bad spec before any trial runs
-    if args.check:
-        print(f"spec ok: {len(spec.space)} setting(s) searched: {', '.join(spec.space)}")
-        return 0
-    trials = run_tune(spec, ResultsDB(args.db), progress=None if args.quiet else eprint)
-    print(f"trained {len(trials.ran)} trial(s), {len(trials.reused)} found already recorded; "
-          f"stored in {args.db}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memstudy", description=__doc__)
     parser.add_argument("--db", default=default_db_path(), help="results database (SQLite)")
@@ -272,12 +259,6 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("sources", nargs="+", help="results databases to copy from")
     merge.set_defaults(func=cmd_merge)
     add_study_parsers(sub)
-    tune = sub.add_parser("tune", help="evolutionary hyperparameter search with Propulate "
-                          "(docs/tune.md); every trial a recorded run, resumable")
-    tune.add_argument("spec", help="tune spec (TOML: [base], [space], [search], [fitness])")
-    tune.add_argument("--check", action="store_true", help="validate the spec; run nothing")
-    tune.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
-    tune.set_defaults(func=cmd_tune)
     tune = sub.add_parser("tune", help="evolutionary hyperparameter search with Propulate "
                           "(docs/tune.md); every trial a recorded run, resumable")
     tune.add_argument("spec", help="tune spec (TOML: [base], [space], [search], [fitness])")
