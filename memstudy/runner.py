@@ -157,20 +157,7 @@ def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
             run["model_tflops_s"] = flops / run["step_time_s"] / 1e12
     if _compiled(config) and "first_step_time_s" in run and "step_time_s" in run:
         run["compile_time_s"] = run["first_step_time_s"] - run["step_time_s"]
-    if _compiled(config) and "first_step_time_s" in run and "step_time_s" in run:
-        run["compile_time_s"] = run["first_step_time_s"] - run["step_time_s"]
     record.metrics = [(0, phase, k, v) for phase, figs in summary.items() for k, v in figs.items()]
-
-
-def _compiled(config: RunConfig) -> bool:
-    """A technique of the run compiles the model in its first step (declared fact)."""
-    return bool(declaring(config.techniques, "compiles"))
-
-
-def allocator_settings() -> str | None:
-    """The CUDA caching allocator's settings string ('' = PyTorch's defaults)."""
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # torch >= 2.9
-    return getter() if getter is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
 
 
 def _compiled(config: RunConfig) -> bool:
