@@ -32,7 +32,7 @@ CREATE TABLE IF NOT EXISTS runs (
     status TEXT NOT NULL CHECK (status IN ('ok', 'oom', 'error', 'diverged')),
     failed_phase TEXT,            -- phase of an oom / error / divergence
     error TEXT,
-    image_size INTEGER NOT NULL,
+    image_size INTEGER NOT NULL,  -- a square's side; 'HxW' and 'native' (memstudy.sizes) stay TEXT
     batch_size INTEGER NOT NULL,
     world_size INTEGER NOT NULL,
     device TEXT NOT NULL,

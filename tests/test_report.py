@@ -112,3 +112,68 @@ def test_tri_accel_section_only_with_tri_accel_runs(db, make_config, tmp_path):
     html = report.build_report(tri, "html")
     assert "Tri-Accel control steps" in html and f"run {run['id']}: tri_accel" in html
     assert html.count("data:image/png;base64,") == 3  # resolution, ratio-free DB, one tri run
+
+
+MIXED_SIZES = (256, "200x296", "native")  # square int, rectangle "HxW", folder data at native size
+
+
+@pytest.fixture
+def mixed_db(tmp_path):
+    """Runs of every stored size form in one database, as a study mixing them records it."""
+    db = ResultsDB(tmp_path / "mixed.sqlite")
+    for size in MIXED_SIZES:
+        record(db, "original", size, 800, 400, 100)
+        record(db, "amp:bf16", size, 350, 100, 100)
+    for size in ("4188x3500", 8192):  # two failed sizes of two forms on one line of a plot
+        record(db, "original", size, 0, 0, 0, status="oom", phase="forward")
+    return db
+
+
+def test_sizes_of_every_form_read_back_as_recorded(mixed_db):
+    stored = [r["image_size"] for r in mixed_db.runs()]
+    assert stored == [256, 256, "200x296", "200x296", "native", "native", "4188x3500", 8192]
+
+
+def test_mixed_size_forms_sort_by_pixels_with_native_last(mixed_db):
+    sizes = [r["image_size"] for r in report.phase_memory(mixed_db) if r["name"] == "original"]
+    assert sizes == ["200x296", 256, "4188x3500", 8192, "native"]  # 59200 < 65536 px <...< native
+    assert [r["image_size"] for r in report.memory_ratios(mixed_db)] == ["200x296", 256, "native"]
+
+
+@pytest.mark.parametrize("fmt", ["term", "md", "csv", "latex", "html"])
+def test_report_of_mixed_size_forms_in_every_format(mixed_db, tmp_path, fmt):
+    out = tmp_path / f"report.{fmt}"
+    assert main(["report", str(mixed_db.path), "--format", fmt, "--out", str(out)]) == 0
+    text = re.sub(r"data:image/png;base64,[^\"]*", "", out.read_text())  # digits in base64
+    for size in (*MIXED_SIZES, "4188x3500", 8192):
+        assert re.search(rf"(?<![\dx]){size}(?![\dx])", text), f"size {size} missing from {fmt}"
+    if fmt == "html":  # ratio chart (a panel per size) and resolution chart both drawn
+        assert out.read_text().count("data:image/png;base64,") == 2
+
+
+def test_resolution_chart_places_rectangles_by_pixels_and_leaves_native_off(mixed_db):
+    fig = report.resolution_chart(report.memory_vs_resolution(mixed_db))
+    ax = fig.axes[0]
+    xs = sorted({x for line in ax.lines for x in line.get_xdata()})
+    assert xs == pytest.approx(sorted([(200 * 296) ** 0.5, 256, (4188 * 3500) ** 0.5, 8192]), rel=1e-9)
+    assert "2 native-size run(s) not plotted" in ax.get_title()
+    assert {t.get_text() for t in ax.texts} == {"200x296", "4188x3500"}
+
+
+def test_phase_memory_notebook_with_mixed_size_forms(mixed_db, monkeypatch):
+    """notebooks/01_phase_memory.ipynb shows one table per size; its loop sorts the sizes."""
+    from pathlib import Path
+
+    nbformat = pytest.importorskip("nbformat")
+    client = pytest.importorskip("nbclient")
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "01_phase_memory.ipynb"
+    monkeypatch.setenv("MEMSTUDY_DB", str(mixed_db.path))
+    nb = nbformat.read(path, as_version=4)
+    client.NotebookClient(nb, timeout=120, kernel_name="python3",
+                          resources={"metadata": {"path": str(path.parent)}}).execute()
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    headings = [line for o in outputs for line in o.get("data", {}).get("text/markdown", "").splitlines()
+                if line.startswith("### ")]
+    assert headings == ["### 200x296 px", "### 256 px", "### 4188x3500 px", "### 8192 px",
+                        "### native px"]

@@ -26,6 +26,7 @@ from typing import Any
 from memstudy.bytesize import mb
 from memstudy.errors import ConfigError
 from memstudy.report.data import load_runs
+from memstudy.sizes import size_sort_key
 
 Rows = list[dict[str, Any]]
 DEFAULT_WEIGHTS = (1.0, 1.0, 1.0)
@@ -76,7 +77,7 @@ def cost(db, weights: tuple[float, float, float] = DEFAULT_WEIGHTS) -> Rows:
                 r[norm] = r[figure] / best if r[figure] and best else None
     for row in rows:
         row["cost"] = objective(weights, (row["t_norm"], row["m_norm"], row["e_norm"]))
-    return sorted(rows, key=lambda r: (r["device"], r["image_size"], r["run"]))
+    return sorted(rows, key=lambda r: (r["device"], size_sort_key(r["image_size"]), r["run"]))
 
 
 def objective(weights: tuple[float, float, float], normed: tuple) -> float | None:

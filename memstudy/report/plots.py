@@ -6,10 +6,12 @@ IPython.display.Image(png(fig)).
 from __future__ import annotations
 
 import io
+import math
 from collections import defaultdict
 from typing import Any
 
 from memstudy.report.data import TRAIN_PHASES
+from memstudy.sizes import NATIVE, size_hw, size_sort_key
 
 Rows = list[dict[str, Any]]
 
@@ -30,7 +32,7 @@ def ratio_chart(rows: Rows):
     """Fig. 2: bars of each technique set's memory / original's, per phase, one panel per size."""
     from matplotlib import colormaps
 
-    sizes = sorted({r["image_size"] for r in rows})
+    sizes = sorted({r["image_size"] for r in rows}, key=size_sort_key)
     labels = sorted({f"{r['name']} ({r['device']})" for r in rows})
     colors = colormaps["tab20"].resampled(max(len(labels), 1))  # one distinct colour per set
     color = {label: colors(i) for i, label in enumerate(labels)}
@@ -46,7 +48,7 @@ def ratio_chart(rows: Rows):
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(TRAIN_PHASES)), [p.capitalize() for p in TRAIN_PHASES])
         ax.set_ylabel("memory / original")
-        ax.set_title(f"{size} px" if size else "no runs with an original baseline")
+        ax.set_title(_size_title(size) if size is not None else "no runs with an original baseline")
     if labels:  # one legend for all panels, under them, so it hides no bar
         handles = {h.get_label(): h for ax in axes for h in ax.containers}
         fig.legend([handles[k] for k in labels if k in handles], [k for k in labels if k in handles],
@@ -54,28 +56,49 @@ def ratio_chart(rows: Rows):
     return fig
 
 
+def _size_title(size) -> str:
+    return "native sizes" if size == NATIVE else f"{size} px"
+
+
+def axis_px(size) -> float | None:
+    """Where a stored size sits on a numeric px axis: a square at its side, a rectangle HxW
+    at sqrt(H x W) (the square of equal pixel count, so the axis keeps size_sort_key's
+    order); None for 'native' (each image its own size: no place on the axis)."""
+    hw = size_hw(size)
+    return None if hw is None else math.sqrt(hw[0] * hw[1])
+
+
 def resolution_chart(rows: Rows, budget_mb: float | None = None):
     """Peak memory vs image size per technique set; runs that failed are marked x at the
-    size where they stopped; the budget is a horizontal line."""
+    size where they stopped; the budget is a horizontal line. Rectangles sit at the side of
+    the square with their pixel count, labelled HxW; native-size runs are left off the axis
+    and counted in the title."""
     fig = _figure(6.4, 4.2)
     ax = fig.subplots()
     lines: dict[tuple[str, str], list] = defaultdict(list)
-    for r in rows:
+    placed = [r for r in rows if axis_px(r["image_size"]) is not None]
+    for r in placed:
         lines[(r["name"], r["device"])].append(r)
-    top = max([r["peak_mb"] or 0 for r in rows] + [budget_mb or 0]) or 1
+    top = max([r["peak_mb"] or 0 for r in placed] + [budget_mb or 0]) or 1
     for (name, device), runs in sorted(lines.items()):
         ok = sorted({r["image_size"]: r for r in runs if r["status"] == "ok" and r["peak_mb"]}.values(),
-                    key=lambda r: r["image_size"])
-        line = ax.plot([r["image_size"] for r in ok], [r["peak_mb"] for r in ok], marker="o",
-                       label=f"{name} ({device})")[0]
-        failed = sorted({r["image_size"] for r in runs if r["status"] == "oom"})
-        ax.plot(failed, [top * 1.05] * len(failed), linestyle="none", marker="x",
-                color=line.get_color())
+                    key=lambda r: size_sort_key(r["image_size"]))
+        line = ax.plot([axis_px(r["image_size"]) for r in ok], [r["peak_mb"] for r in ok],
+                       marker="o", label=f"{name} ({device})")[0]
+        failed = sorted({r["image_size"] for r in runs if r["status"] == "oom"}, key=size_sort_key)
+        ax.plot([axis_px(s) for s in failed], [top * 1.05] * len(failed), linestyle="none",
+                marker="x", color=line.get_color())
+        for size, y in [(r["image_size"], r["peak_mb"]) for r in ok] + [(s, top * 1.05) for s in failed]:
+            if isinstance(size, str):  # a rectangle: say which, its x is only its pixel count
+                ax.annotate(size, (axis_px(size), y), fontsize=6, xytext=(3, 3),
+                            textcoords="offset points")
     if budget_mb:
         ax.axhline(budget_mb, color="red", linestyle="--", label=f"budget {budget_mb:.0f} MB")
-    ax.set_xlabel("image size (px, square)")
+    ax.set_xlabel("image size (px; a rectangle HxW at sqrt(H x W))")
     ax.set_ylabel("peak memory (MB)")
-    ax.set_title("Memory vs resolution (x: out of memory)")
+    native = len(rows) - len(placed)
+    ax.set_title("Memory vs resolution (x: out of memory)" + (
+        f"\n{native} native-size run(s) not plotted: no single size" if native else ""))
     if lines:
         ax.legend(fontsize=7)
     return fig

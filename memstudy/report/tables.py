@@ -13,6 +13,7 @@ from statistics import mean
 from typing import Any
 
 from memstudy.report.data import TRAIN_PHASES, load_maxres, load_runs, phase_peak
+from memstudy.sizes import size_sort_key
 from memstudy.store import ResultsDB
 from memstudy.bytesize import mb
 
@@ -46,7 +47,9 @@ def _status(runs: Rows) -> str:
 
 
 def _key(row: dict[str, Any]) -> tuple:
-    return (row["device"], row["image_size"], row["batch_size"], row["name"] != BASELINE, row["name"])
+    # sizes of every stored form (256, "200x296", "native") in one order: by pixels, native last
+    return (row["device"], size_sort_key(row["image_size"]), row["batch_size"],
+            row["name"] != BASELINE, row["name"])
 
 
 def phase_memory(db: DB, image_size: int | None = None) -> Rows:
@@ -113,7 +116,7 @@ def memory_vs_resolution(db: DB) -> Rows:
         rows.append({"name": r["name"], "image_size": r["image_size"], "batch_size": r["batch_size"],
                      "device": _device(r), "status": r["status"], "failed_phase": r["failed_phase"],
                      "peak_mb": mb(peak), "budget_mb": mb(r["env"].get("budget_bytes"))})
-    return sorted(rows, key=lambda x: (x["device"], x["name"], x["image_size"]))
+    return sorted(rows, key=lambda x: (x["device"], x["name"], size_sort_key(x["image_size"])))
 
 
 def largest_size(db: DB) -> Rows:

@@ -11,6 +11,7 @@ from typing import Any
 
 from memstudy.report.data import load_runs, open_db
 from memstudy.bytesize import mb
+from memstudy.sizes import size_sort_key
 
 TECHNIQUE = "tri_accel"
 Rows = list[dict[str, Any]]
@@ -45,7 +46,7 @@ def efficiency(db) -> Rows:
                      "time_per_epoch_s": e["time_per_epoch_s"], "peak_mb": mb(e["peak_bytes"]),
                      "capacity_mb": mb(e["capacity_bytes"]), "memory_pct": e["memory_pct"],
                      "score": e["score"]})
-    return sorted(rows, key=lambda x: (x["image_size"], x["run"]))
+    return sorted(rows, key=lambda x: (size_sort_key(x["image_size"]), x["run"]))
 
 
 def control_series(db, run_id: int) -> dict[str, Any]:
