@@ -112,7 +112,8 @@ def test_kernels_equal_references_on_gpu():
         codes, lo, scale = qk.quantize(x, bits, group, seed)
         ref = qk.quantize_reference(x, bits, group, qk.uniform_noise(n, seed, "cuda"))
         torch.testing.assert_close(lo, ref[1], rtol=0, atol=0)
-        torch.testing.assert_close(scale, ref[2], rtol=0, atol=0)
+        # (hi - lo) / levels: the compiled division may round one ulp away (seen on an H100)
+        torch.testing.assert_close(scale, ref[2], rtol=2.5e-7, atol=0)
         got = qk.dequantize(codes, lo, scale, n, bits, group, torch.float32)
         want = qk.dequantize_reference(ref[0], lo, scale, n, bits, group, torch.float32)
         step = scale.repeat_interleave(group)[:n]

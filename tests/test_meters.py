@@ -89,6 +89,10 @@ def test_allocator_tensor_meter_and_nvml_agree_on_cuda(make_config):
     cfg = make_config(512, device="cuda", warmup_steps=2, measure_steps=2, validate=False)
     cfg.data.train_images = 5
     cfg.meter.tensor = "on"
+    # cuDNN's autotuner allocates workspaces through the allocator that no tensor holds (H100,
+    # 512 px, benchmark on: backward 74.7 vs 32.5 MB); the meters agree on tensors, so measure
+    # them without it
+    cfg.train.cudnn_benchmark = False
     rec = execute(cfg, db=None)
     assert rec.status == "ok", rec.error
     m = {(p, n): v for _, p, n, v in rec.metrics}
