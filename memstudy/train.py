@@ -107,6 +107,7 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
             except PhaseFailure as failure:
                 if not _retry_after_oom(failure, rt, optimizer, state):
                     raise
+                recorder.discard_failed_step()  # the retry's figures replace the failed try's
                 continue
             pos += sum(len(piece) for piece in pieces)
             state.step += 1

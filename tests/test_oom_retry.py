@@ -15,6 +15,10 @@ from memstudy.train import TrainState, _train_step
 SIDE = 64  # one 8-channel float32 activation at batch 4: 4 * 8 * 64 * 64 * 4 B = 512 KiB
 
 
+# where the loop would put micro-batches: one batch here, already on the CPU
+CPU_PLACEMENT = (torch.device("cpu"), torch.contiguous_format)
+
+
 def _model() -> nn.Module:
     # Sigmoid saves its *output* for backward: the case where keeping the saved tensor itself
     # (rather than a detached alias) would tie the activation and its grad_fn in a cycle.
@@ -48,7 +52,8 @@ def _fail_once(model, rt, recorder, state, measured: bool) -> None:
     the failed frames' locals alive on its own)."""
     x, y = _batch(4)
     try:
-        _train_step(model, rt, state.optimizer, recorder, state, x, y, measured)
+        _train_step(model, rt, state.optimizer, recorder, state, [(x, y)], CPU_PLACEMENT,
+                    measured)
     except PhaseFailure as failure:
         assert isinstance(failure.cause, torch.OutOfMemoryError)
         assert failure.phase == "forward"
@@ -67,7 +72,8 @@ def test_failed_step_frees_its_tensors_and_a_smaller_batch_fits(measured):
     assert meter.current == before, (
         f"{meter.current - before} bytes of the failed step are still alive")
     x, y = _batch(1)
-    loss = _train_step(model, rt, state.optimizer, recorder, state, x, y, measured)
+    loss = _train_step(model, rt, state.optimizer, recorder, state, [(x, y)], CPU_PLACEMENT,
+                    measured)
     assert loss > 0
     if measured:  # the retried step was measured like any other
         assert recorder.measured["forward"][-1]["tensor_peak_bytes"] > 0

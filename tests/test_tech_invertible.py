@@ -9,6 +9,7 @@ from memstudy.models import build_unet
 from memstudy.runner import execute
 from memstudy.techniques import get_technique
 from memstudy.techniques.base import Plan
+from memstudy.techniques.compose import make_plan
 from memstudy.techniques.invertible import MomentumBlocks, convert_residual_stages
 from helpers import saved_bytes
 
@@ -41,9 +42,12 @@ def test_gamma_outside_open_unit_interval_is_refused(gamma):
         TECH.check(TECH.parse([gamma]), _plan({}))
 
 
-def test_refused_with_a_technique_that_replaces_the_encoder_blocks():
-    with pytest.raises(ConfigError, match="lowrank"):
-        TECH.check(TECH.parse([]), _plan({"lowrank": None, "invertible": None}))
+def test_refused_with_a_technique_that_replaces_the_encoder_blocks(make_config):
+    """lowrank factorises the weights invertible's momentum blocks rebuild from: one refusal."""
+    cfg = make_config(192)
+    cfg.techniques = ["invertible", "lowrank"]
+    with pytest.raises(ConfigError, match="drop invertible or lowrank"):
+        make_plan(cfg)
 
 
 @pytest.mark.parametrize("train", [True, False])

@@ -105,6 +105,18 @@ class PhaseRecorder:
                 else:
                     self.step_times[False].append(wall)
 
+    def discard_failed_step(self) -> None:
+        """Forget the phase records of the step that just failed and is about to be retried
+        (an elastic batch shrinking after an out-of-memory error): the run's figures describe
+        the steps that trained, not a try that did not fit (whose completed phases, e.g. a
+        forward at the larger batch before backward ran out, would otherwise set the maxima)."""
+        for phase in list(self.measured):
+            kept = [r for r in self.measured[phase] if r.get("_step") != self._step_id]
+            if kept:
+                self.measured[phase] = kept
+            else:
+                del self.measured[phase]
+
     def _phase_time(self, step_id: int) -> float:
         """Seconds of all phases of one step: with gradient accumulation a step holds k
         forward and k backward phases (their records are the last ones of each phase)."""
