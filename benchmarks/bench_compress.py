@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch
 from memstudy.config import RunConfig
 from memstudy.runner import execute
 from memstudy.store import ResultsDB
+from cuda_timing import median_ms  # benchmarks/ is on sys.path when run as a script
 
 BITS = (8, 4, 2)
 
@@ -111,17 +111,7 @@ def part_memory(db: ResultsDB, sizes: list[int], steps: int, bases: list[list[st
 
 
 def _time_ms(fn, repeat: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(fn, repeat)
 
 
 def part_kernels(numel: int) -> tuple[list[str], list[dict]]:

@@ -14,7 +14,6 @@ Writes kernels.md and prints the table.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,20 +22,11 @@ import torch
 from memstudy.kernels.grad_stats import flatten, make_layout, segment_stats, segment_stats_reference
 from memstudy.models import build_unet
 from memstudy.triaccel.control_units import unet_units
+from cuda_timing import median_ms  # benchmarks/ is on sys.path when run as a script
 
 
 def timed(fn, repeat: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(fn, repeat)
 
 
 def main() -> int:

@@ -44,6 +44,7 @@ from memstudy.runner import execute
 from memstudy.store import ResultsDB
 from memstudy.triaccel.score import run_efficiency
 from memstudy.bytesize import MB
+from cuda_timing import median_ms  # benchmarks/ is on sys.path when run as a script
 
 TRI = "tri_accel:t_ctrl=2:t_curv=4:b_curv=1:curv_crop=512:power_iters=3:max_batch=8"
 CONFIGS = {
@@ -106,17 +107,7 @@ def main() -> int:
 
 def timed(fn, repeat: int = 50) -> float:
     """Median milliseconds of fn() by CUDA events, after five warm-up calls."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return median_ms(fn, repeat)
 
 
 def stats_part(db: ResultsDB, args) -> str:
