@@ -22,7 +22,9 @@ from memstudy.tiling.sweep import run_region
 @pytest.mark.parametrize("techniques, named", [
     (["tile:rows=8"], "tile:rows=8 is smaller than its halo"),
     (["tile:rows=30"], "tile:rows=30 must be a multiple of 4"),
-    (["tile:levels=3"], "tile:levels=3 is not implemented"),
+    (["tile:levels=4"], "tile:levels=4 is not implemented"),
+    (["tile:keep=all"], "tile:keep='all' is not a kept-boundary choice"),
+    (["tile:levels=3:rows=24"], "tile:rows=24 is smaller than its halo of 32 rows"),
     (["tile:levels=0"], "tile:levels=0"),
     (["tile:levels=7"], "tile:levels=7"),
     (["tile:40"], "tile:tiles=40"),
@@ -174,3 +176,17 @@ def test_offload_hooks_see_the_boundaries_and_keep_gradients():
     assert x.untyped_storage().data_ptr() in packed
     assert offloader.offloaded_bytes >= x.nbytes
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+@pytest.mark.parametrize("keep, calls", [("none", 2 * 5 * 2), ("conv1", 2 * 1 * 2)])
+def test_keep_conv1_runs_block3_conv1_once_per_sweep(keep, calls):
+    """Decoder block 3's first convolution (the tiled levels' costliest) per training step with 2
+    tiles: in region "top" (keep=none) every one of its 5 sweeps (4 statistics + 1 apply) runs it
+    per tile, in forward and again in backward; with keep=conv1 its own region has no BatchNorm
+    of its own, so one sweep forward and one in backward."""
+    model = build_unet(seed=0)
+    model.forward_padded = TiledForward(model, 2, tiles=2, keep=keep)
+    seen = []
+    model.decoder_blocks[3].conv1[0].register_forward_hook(lambda *_: seen.append(1))
+    model(torch.rand(1, 1, 128, 128)).square().mean().backward()
+    assert len(seen) == calls

@@ -81,7 +81,11 @@ def assert_exact(tiled: dict, plain: dict, tol: float) -> None:
     (256, 256, {"levels": 2, "tiles": 3}, 1),  # 64 quarter-res rows: uneven 21 / 21 / 22
     (270, 200, {"levels": 2, "rows": 80}, 2),  # padded to 288 x 224; strips of 80, 80, 80, 48
     (256, 256, {"levels": 1, "tiles": 5}, 1),  # full resolution only: 128 half-res rows / 5
-], ids=["levels2-3tiles", "levels2-rows80-odd-size-batch2", "levels1-5tiles"])
+    (256, 256, {"levels": 2, "tiles": 3, "keep": "conv1"}, 1),  # block 3's conv1 output kept
+    (256, 256, {"levels": 3, "tiles": 3}, 1),  # layer1 and block 2 too: 32 1/8-res rows / 3
+    (288, 224, {"levels": 3, "rows": 96, "keep": "conv1"}, 1),  # blocks 2 and 3 conv1 kept
+], ids=["levels2-3tiles", "levels2-rows80-odd-size-batch2", "levels1-5tiles",
+        "levels2-keep-conv1", "levels3-3tiles", "levels3-rows96-keep-conv1"])
 def test_tiled_step_equals_untiled_float64(height, width, tiling, batch):
     plain = untiled_step(height, width, torch.float64, batch)
     assert_exact(train_step(height, width, torch.float64, tiling, batch), plain,

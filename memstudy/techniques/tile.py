@@ -5,7 +5,8 @@ the U-Net - the stem and the last decoder blocks hold few channels but millions 
 checkpointing still materialises a whole full-resolution block when it recomputes it. `tile`
 splits those levels into full-width row strips, each computed from its input strip plus a halo
 (its receptive field), and keeps only the region boundaries alive: the input image, the 1/4-res
-stem output and decoder block 2's output (levels=2), and the network output. Nothing of the
+stem output and decoder block 2's output (levels=2), the network output, and with `keep=conv1`
+the first convolution output (before its BatchNorm) of each tiled decoder block with a skip. Nothing of the
 tiled levels is saved for backward; backward recomputes each tile. BatchNorm stays exact in
 training mode: each tiled BatchNorm's batch statistics are those of the whole image, computed by
 a statistics sweep over tiles before it normalises anything, and they are differentiable tensors
@@ -13,16 +14,20 @@ whose gradients (the BatchNorm's global reductions) flow back through the same t
 (memstudy/tiling/sweep.py). The price is compute: a region with K BatchNorms runs K + 1 forward
 sweeps and K + 1 backward sweeps (each sweep recomputes the region up to that BatchNorm, plus
 halo rows). At levels=2 the stem region has 1 BatchNorm, the top region 4 (plus the stem's
-shared one, recomputed per tile), so the tiled levels cost several times their untiled forward;
-they are cheap levels (few channels), so the step slows by much less (measured:
-docs/techniques/tile.md).
+shared one, recomputed per tile), so the tiled levels cost several times their untiled forward.
+`keep=conv1` cuts that recomputation where it is most expensive: decoder block 3's first
+convolution (128 input channels at half resolution, the tiled levels' costliest) then runs once
+per sweep of its own small region instead of in every sweep of the top region, for one more kept
+half-resolution tensor (32 channels). Measured: docs/techniques/tile.md.
 
-Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`):
+Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`, `tile:16:keep=conv1`):
 - `tiles` (positional): number of row strips (near-equal; 0 with rows=0 means 4);
 - `rows`: rows per strip at full resolution instead (a multiple of 2**levels; the last strip
   may be shorter);
 - `levels`: 2 = full + half resolution (stem, decoder blocks 3-4, head); 1 = full resolution
-  only (decoder block 4 and head).
+  only (decoder block 4 and head); 3 = also 1/4 resolution (layer1, decoder block 2);
+- `keep`: `none` (one decoder region) or `conv1` (also keep each tiled skip block's first
+  convolution output: fewer sweeps, one more tensor per such block).
 Composes with amp, checkpoint:block / selective and invertible (they act on the untiled levels;
 the decoder blocks and stem that tile runs are not run through their wrapped forward), offload
 and saved-tensor compression (they see the region boundaries, which tile's Functions save), dp.
@@ -39,7 +44,7 @@ from memstudy.errors import ConfigError
 from memstudy.models.unet import STRIDE
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
-from memstudy.tiling.levels import check_levels, min_tile_rows
+from memstudy.tiling.levels import check_keep, check_levels, min_tile_rows
 from memstudy.tiling.unet import TiledForward
 
 DEFAULT_TILES = 4
@@ -60,21 +65,26 @@ class Options:
     rows: int = field(default=0, metadata={
         "help": "rows per strip at full resolution instead of a count (multiple of 2**levels)"})
     levels: int = field(default=2, metadata={
-        "help": "resolution levels tiled from full resolution down: 2 = full + half, 1 = full"})
+        "help": "resolution levels tiled from full resolution down: 1 = full, 2 = full + half, "
+                "3 = full + half + quarter"})
+    keep: str = field(default="none", metadata={
+        "help": "kept boundaries between decoder regions: none, or conv1 (each tiled skip "
+                "block's first convolution output: fewer recompute sweeps, more memory)"})
 
 
 def resolved(opts: Options) -> Options:
     return Options(tiles=opts.tiles or (0 if opts.rows else DEFAULT_TILES), rows=opts.rows,
-                   levels=opts.levels)
+                   levels=opts.levels, keep=opts.keep)
 
 
 def check(opts: Options, plan: Plan) -> None:
     check_levels(opts.levels, "tile:levels")
+    check_keep(opts.keep, "tile:keep")
     if opts.tiles < 0 or opts.rows < 0:
         raise ConfigError(f"tile: tiles={opts.tiles} and rows={opts.rows} must be >= 0")
     if opts.tiles and opts.rows:
         raise ConfigError(f"tile: give tiles ({opts.tiles}) or rows ({opts.rows}), not both")
-    unit, halo = 2 ** opts.levels, min_tile_rows(opts.levels)
+    unit, halo = 2 ** opts.levels, min_tile_rows(opts.levels, opts.keep)
     if opts.rows % unit:
         raise ConfigError(f"tile:rows={opts.rows} must be a multiple of {unit} (the "
                           f"{unit}x-down-sampled grid at levels={opts.levels})")
@@ -120,9 +130,9 @@ def apply(opts: Options, build: Build) -> None:
     model = build.model
     if not hasattr(model, "forward_padded"):
         raise ConfigError("tile: the model has no forward_padded to tile; drop tile")
-    model.forward_padded = TiledForward(model, opts.levels, opts.tiles, opts.rows)
+    model.forward_padded = TiledForward(model, opts.levels, opts.tiles, opts.rows, opts.keep)
     build.notes["tile"] = {"levels": opts.levels, "tiles": opts.tiles, "rows": opts.rows,
-                           "halo_rows": min_tile_rows(opts.levels)}
+                           "keep": opts.keep, "halo_rows": min_tile_rows(opts.levels, opts.keep)}
 
 
 register(Technique("tile", Stage.ACTIVATION, Options,

@@ -1,20 +1,26 @@
 """The tiled regions of the smp U-Net / ResNet-34, and the forward that runs them.
 
-`levels` counts the resolution levels tiled, from full resolution down:
-- levels=2 (default): region "stem" = x -> conv1, bn1, relu, max-pool -> 1/4-res features (the
-  half-resolution stem output and the max-pool indices are never stored); region "top" =
-  (decoder block 2's output at 1/4 res, x) -> the stem's skip feature recomputed per tile
-  (conv1 and bn1 with the statistics tensors of region "stem", relu) -> decoder block 3 (1/2) ->
-  decoder block 4 (full res) -> segmentation head -> output. The coarse grid is 1/4 res.
-- levels=1: region "top" = decoder block 3's output (1/2 res) -> decoder block 4 -> head; the
-  stem runs untiled. The coarse grid is 1/2 res.
-Everything else (layer1..layer4, decoder blocks 0..2 or 0..3) runs as usual, through the
-modules' own forward, so checkpoint / invertible / offload / amp act on it unchanged.
+`levels` counts the resolution levels tiled, from full resolution down (the coarse grid of the
+regions is 1/2**levels of the input):
+- levels=1: decoder block 4 (full res) and the head; the stem runs untiled.
+- levels=2 (default): also the stem (conv1, bn1, relu, max-pool: region "stem", whose half-res
+  output and max-pool indices are never stored) and decoder block 3, whose skip feature (the
+  stem's) is recomputed per tile from the image with the stem's statistics.
+- levels=3: also layer1 (inside region "stem") and decoder block 2 (skip: layer1's output, a
+  kept boundary that layer2 needs anyway).
+`keep` chooses the boundaries between decoder regions: "none" runs all tiled decoder blocks as
+one region "top" (fewest full-size tensors; a region with K BatchNorms costs K + 1 sweeps),
+"conv1" also keeps each skip block's first convolution output before its BatchNorm (one more
+tensor of that level, far fewer recomputed convolutions: the concatenating convolutions are the
+tiled levels' most expensive ones). memstudy/tiling/chain.py writes the regions once, for the
+tile bodies here and for their halos.
 
-The bodies below follow smp 0.6's ResNetEncoder.forward, UnetDecoderBlock.forward (nearest
-up-sampling by 2, concatenation with the skip, attention (identity), two Conv2dReLU = conv,
-BatchNorm, ReLU) and SegmentationHead (conv, identity up-sampling, activation) step for step;
-`check_model` refuses a model that differs in anything they rely on.
+Everything else (layer1 or layer2 down, the untiled decoder blocks) runs as usual, through the
+modules' own forward, so checkpoint / invertible / offload / amp act on it unchanged. The walks
+follow smp 0.6's ResNetEncoder.forward, UnetDecoderBlock.forward (nearest up-sampling by 2,
+concatenation with the skip, attention (identity), two Conv2dReLU = conv, BatchNorm, ReLU),
+torchvision's BasicBlock and SegmentationHead (conv, identity up-sampling, activation) step for
+step; `check_model` refuses a model that differs in anything they rely on.
 """
 from __future__ import annotations
 
@@ -23,14 +29,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from memstudy.errors import ConfigError
-from memstudy.tiling.geometry import plan_tiles, split_rows
-from memstudy.tiling.levels import check_levels, halos, stem_paths, top_paths
+from memstudy.tiling.chain import (LAST_BLOCK, LAYER1_BLOCKS, RegionSpec, decoder_walk,
+                                   region_specs, stem_walk, trace)
+from memstudy.tiling.geometry import halo, plan_tiles, split_rows
+from memstudy.tiling.levels import check_keep, check_levels
 from memstudy.tiling.sweep import Region, TileRun, run_region
 
 
-# -- the model's parts as tile bodies --------------------------------------------------------
-def check_model(unet: nn.Module) -> None:
-    """Refuse anything the bodies below do not reproduce exactly."""
+# -- the model's parts by the names the walks use ----------------------------------------------
+def named_modules(unet: nn.Module) -> dict[str, nn.Module]:
+    enc, blocks = unet.encoder, unet.decoder_blocks
+    found = {"conv1": enc.conv1, "bn1": enc.bn1, "head": unet.head}
+    for j in range(LAYER1_BLOCKS):
+        unit = enc.layer1[j]
+        found.update({f"layer1.{j}.{n}": getattr(unit, n) for n in ("conv1", "bn1", "conv2", "bn2")})
+    for i in range(2, LAST_BLOCK + 1):
+        block = blocks[i]
+        found.update({f"block{i}.conv1": block.conv1[0], f"block{i}.bn1": block.conv1[1],
+                      f"block{i}.conv2": block.conv2[0], f"block{i}.bn2": block.conv2[1]})
+    return found
+
+
+def check_model(unet: nn.Module, levels: int) -> None:
+    """Refuse anything the walks do not reproduce exactly."""
     enc, blocks, head = unet.encoder, unet.decoder_blocks, unet.head
     problems = []
     if (enc.conv1.kernel_size, enc.conv1.stride, enc.conv1.padding) != ((7, 7), (2, 2), (3, 3)):
@@ -40,85 +61,94 @@ def check_model(unet: nn.Module) -> None:
         problems.append("max-pool is not 3 / stride 2 / padding 1")
     if not isinstance(unet.decoder.center, nn.Identity):
         problems.append("the decoder has a center block")
-    for i in (3, 4):
+    convs = [f"block{i}.conv{k}" for i in range(LAST_BLOCK + 1 - levels, LAST_BLOCK + 1)
+             for k in (1, 2)]
+    if levels >= 3:
+        convs += [f"layer1.{j}.conv{k}" for j in range(LAYER1_BLOCKS) for k in (1, 2)]
+        if any(enc.layer1[j].downsample is not None for j in range(LAYER1_BLOCKS)):
+            problems.append("layer1 down-samples")
+    modules = named_modules(unet)
+    for name in convs:
+        conv = modules[name]
+        if (conv.kernel_size, conv.stride, conv.padding, conv.dilation) != ((3, 3), (1, 1),
+                                                                               (1, 1), (1, 1)):
+            problems.append(f"{name} is not a 3x3 / stride 1 / padding 1 convolution")
+    for i in range(LAST_BLOCK + 1 - levels, LAST_BLOCK + 1):
         block = blocks[i]
         if block.interpolation_mode != "nearest":
             problems.append(f"decoder block {i} up-samples with {block.interpolation_mode}")
-        for conv in (block.conv1[0], block.conv2[0]):
-            if (conv.kernel_size, conv.stride, conv.padding) != ((3, 3), (1, 1), (1, 1)):
-                problems.append(f"decoder block {i} has a non-3x3 convolution")
         for att in (block.attention1, block.attention2):
             if not isinstance(att.attention, nn.Identity):
                 problems.append(f"decoder block {i} has attention")
     if not isinstance(head[1], nn.Identity) or head[0].kernel_size != (3, 3):
         problems.append("the segmentation head up-samples or is not a 3x3 convolution")
-    for bn in tiled_norms(unet, 2):
-        if not (isinstance(bn, nn.BatchNorm2d) and bn.affine and bn.track_running_stats):
-            problems.append(f"{type(bn).__name__} is not an affine BatchNorm2d with running stats")
+    for spec in region_specs(levels, "none"):
+        for name in trace(spec, levels).norms:
+            bn = modules[name]
+            if not (isinstance(bn, nn.BatchNorm2d) and bn.affine and bn.track_running_stats):
+                problems.append(f"{name} is not an affine BatchNorm2d with running stats")
     if problems:
         raise ConfigError("tile: the model differs from the smp U-Net / ResNet-34 the tiled "
                           f"regions reproduce ({'; '.join(problems)}); drop tile")
 
 
-def tiled_norms(unet: nn.Module, levels: int) -> list[nn.Module]:
-    blocks = unet.decoder_blocks
-    block4 = [blocks[4].conv1[1], blocks[4].conv2[1]]
-    if levels == 1:
-        return block4
-    return [unet.encoder.bn1, blocks[3].conv1[1], blocks[3].conv2[1], *block4]
+class TensorOps:
+    """`ops` for the walks over one tile's strips (BatchNorm through the tile run's statistics)."""
+
+    def __init__(self, run: TileRun, modules: dict[str, nn.Module], norm_index: dict[str, int]):
+        self.run, self.modules, self.norm_index = run, modules, norm_index
+
+    def conv(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return self.modules[name](t)
+
+    def norm(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return self.run.norm(self.norm_index[name], t)
+
+    def relu(self, t: torch.Tensor) -> torch.Tensor:
+        return F.relu(t)
+
+    def up(self, t: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(t, scale_factor=2, mode="nearest")  # == smp's size=(2h, 2w)
+
+    def pool(self, t: torch.Tensor) -> torch.Tensor:
+        return self.modules["maxpool"](t)
+
+    def cat(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cat([a, b], dim=1)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
 
 
-def _conv_bn_relu(run: TileRun, j: int, layer: nn.Sequential, z: torch.Tensor) -> torch.Tensor:
-    conv, _, _ = layer  # smp Conv2dReLU: conv, BatchNorm, ReLU
-    return F.relu(run.norm(j, conv(z)))
+def build_region(unet: nn.Module, spec: RegionSpec, levels: int) -> Region:
+    traced = trace(spec, levels)
+    shared = [n for n in traced.norms if n == "bn1" and spec.start != "stem"]  # the stem's stats
+    names = shared + [n for n in traced.norms if n not in shared]
+    modules = {**named_modules(unet), "maxpool": unet.encoder.maxpool}
+    index = {name: j for j, name in enumerate(names)}
 
+    def body(run: TileRun, *strips: torch.Tensor) -> torch.Tensor:
+        ops = TensorOps(run, modules, index)
+        return stem_walk(ops, levels, strips[0]) if spec.start == "stem" \
+            else decoder_walk(ops, spec, strips)
 
-def _decoder_block(run: TileRun, j: int, block: nn.Module, d: torch.Tensor,
-                   skip: torch.Tensor | None) -> torch.Tensor:
-    d = F.interpolate(d, scale_factor=2, mode="nearest")  # == smp's size=(2h, 2w)
-    if skip is not None:
-        d = block.attention1(torch.cat([d, skip], dim=1))
-    d = _conv_bn_relu(run, j, block.conv1, d)
-    d = _conv_bn_relu(run, j + 1, block.conv2, d)
-    return block.attention2(d)
-
-
-def _stem(run: TileRun, enc: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return F.relu(run.norm(0, enc.conv1(x)))
-
-
-def regions(unet: nn.Module, levels: int) -> dict[str, Region]:
-    enc, blocks, head = unet.encoder, unet.decoder_blocks, unet.head
-    norms = tiled_norms(unet, levels)
-    if levels == 1:
-        def top1(run, d3):
-            return head(_decoder_block(run, 0, blocks[4], d3, None))
-        return {"top": Region("top", (1,), norms, 0, [blocks[4], head], top_paths(1), top1)}
-
-    def stem(run, x):
-        return enc.maxpool(_stem(run, enc, x))
-
-    def top(run, d2, x):
-        d = _decoder_block(run, 1, blocks[3], d2, _stem(run, enc, x))
-        return head(_decoder_block(run, 3, blocks[4], d, None))
-
-    return {
-        "stem": Region("stem", (4,), norms[:1], 0, [enc.conv1, enc.bn1], stem_paths(), stem),
-        "top": Region("top", (1, 4), norms, 1, [enc.conv1, enc.bn1, blocks[3], blocks[4], head],
-                      top_paths(2), top),
-    }
+    return Region(spec.name, spec.factors, [modules[n] for n in names], len(shared),
+                  [modules[n] for n in traced.modules], traced.paths, body)
 
 
 # -- the forward ------------------------------------------------------------------------------
 class TiledForward:
     """Replaces `ContrastUNet.forward_padded` on an instance: same function, tiled top levels."""
 
-    def __init__(self, unet: nn.Module, levels: int = 2, tiles: int = 0, rows: int = 0):
+    def __init__(self, unet: nn.Module, levels: int = 2, tiles: int = 0, rows: int = 0,
+                 keep: str = "none"):
         check_levels(levels, "tile:levels")
-        check_model(unet)
-        self.unet, self.levels, self.tiles, self.rows = unet, levels, tiles, rows
-        self.regions = regions(unet, levels)
-        self.halos = halos(levels)
+        check_keep(keep, "tile:keep")
+        check_model(unet, levels)
+        self.unet, self.levels, self.tiles, self.rows, self.keep = unet, levels, tiles, rows, keep
+        self.specs = region_specs(levels, keep)
+        self.regions = {spec.name: build_region(unet, spec, levels) for spec in self.specs}
+        self.halos = {name: halo(region.paths) for name, region in self.regions.items()}
 
     def plan(self, height: int) -> dict[str, list]:
         unit = 2 ** self.levels
@@ -132,21 +162,25 @@ class TiledForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tiles = self.plan(x.shape[-2])
         enc, dec = self.unet.encoder, self.unet.decoder
-        shared = ()
+        shared, f1 = (), None
         if self.levels >= 2:
-            pooled, shared = run_region(self.regions["stem"], tiles["stem"], [x])
-            f1 = None
+            low, stem_stats = run_region(self.regions["stem"], tiles["stem"], [x])
+            shared = stem_stats[:1]  # bn1's, which the decoder's stem skip uses
         else:
             f1 = enc.relu(enc.bn1(enc.conv1(x)))
-            pooled = enc.maxpool(f1)
-        l1 = enc.layer1(pooled)
+            low = enc.maxpool(f1)
+        l1 = low if self.levels >= 3 else enc.layer1(low)
         l2 = enc.layer2(l1)
         l3 = enc.layer3(l2)
-        l4 = enc.layer4(l3)
-        d = dec.center(l4)
+        d = dec.center(enc.layer4(l3))
         skips = [l3, l2, l1, f1]
-        for i in range(5 - self.levels):  # the untiled decoder blocks, through their forward
+        first = LAST_BLOCK + 1 - self.levels
+        for i in range(first):  # the untiled decoder blocks, through their forward
             d = dec.blocks[i](d, *skips[i].shape[-2:], skip_connection=skips[i])
-        inputs = [d] if self.levels == 1 else [d, x]
-        out, _ = run_region(self.regions["top"], tiles["top"], inputs, shared[:1])
+        values = {"x": x, "l1": l1, f"d{first}": d}
+        for spec in self.specs[1 if self.levels >= 2 else 0:]:
+            region = self.regions[spec.name]
+            out, _ = run_region(region, tiles[spec.name], [values[n] for n in spec.inputs],
+                                shared[:region.shared])
+            values[f"z{spec.stop}"] = out
         return out
