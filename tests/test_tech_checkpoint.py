@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 
+import collections
+
 import pytest
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memstudy.errors import ConfigError
 from memstudy.models import build_unet
 from memstudy.runner import execute
-from memstudy.techniques.checkpoint import (RESNET34_UNET_UNITS, chain_units, sqrt_regions)
+from memstudy.techniques.checkpoint import (RESNET34_UNET_UNITS, apply_per_block, chain_units,
+                                            checkpoint_module, sqrt_regions)
 from memstudy.techniques.compose import build_pipeline, make_plan
 from conftest import small_config
 from helpers import Step, measured_step
@@ -53,6 +58,78 @@ def test_checkpoint_gradients_and_bn_statistics_match_plain(plain, checkpointed)
             assert step.buffers[name].item() == buf.item() == 1, name
         else:
             torch.testing.assert_close(step.buffers[name], buf, rtol=1e-6, atol=1e-7, msg=name)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run (forward, and backward including the recomputation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket).removeprefix("aten.")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def block_checkpointed_unet(checkpointed: bool = True) -> nn.Module:
+    model = build_unet().train()
+    if checkpointed:
+        apply_per_block(model, selective=False)
+    return model
+
+
+def step_ops(checkpointed: bool) -> tuple[collections.Counter, nn.Module]:
+    model = block_checkpointed_unet(checkpointed)
+    x = torch.rand(1, 1, 64, 64)
+    with OpCounter() as counter:
+        model(x).mean().backward()
+    counter.counts.pop("detach", None)  # checkpoint's own bookkeeping aliases
+    return counter.counts, model
+
+
+def test_block_recomputation_runs_each_region_forward_once_and_nothing_else():
+    """The checkpointed step = the plain step + one more forward of the regions' convolutions,
+    BatchNorms and residual additions; no buffer snapshots (clone / copy_), no second running
+    statistics update (an add_ of num_batches_tracked per BatchNorm), no other kind of op."""
+    plain, _ = step_ops(False)
+    ckpt, model = step_ops(True)
+    regions = [b for stage in model.residual_stages for b in stage] + model.decoder_blocks
+    inside = [m for r in regions for m in r.modules()]
+    extra = ckpt - plain
+    assert ckpt - extra == plain  # nothing of the plain step is missing
+    assert extra["convolution"] == sum(isinstance(m, nn.Conv2d) for m in inside) == 45
+    assert extra["native_batch_norm"] == sum(isinstance(m, nn.BatchNorm2d) for m in inside)
+    assert extra["add_"] == len(model.residual_stages[0]) + sum(len(s) for s in model.residual_stages[1:])
+    assert set(extra) <= set(plain) and not extra["clone"] and not extra["copy_"], extra
+
+
+def test_rng_state_is_stashed_only_for_regions_that_draw_random_numbers(monkeypatch):
+    """The U-Net's blocks draw no random numbers: checkpoint saves no RNG state for them. A
+    region with dropout does, so its recomputation draws the forward's mask (gradients equal
+    the plain module's)."""
+    stashed = []
+    real = torch.get_rng_state
+    unet = block_checkpointed_unet()
+    monkeypatch.setattr(torch, "get_rng_state", lambda: stashed.append(1) or real())
+    unet(torch.rand(1, 1, 64, 64)).mean().backward()
+    assert not stashed
+
+    def net():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Dropout(0.5), nn.Conv2d(4, 1, 3))
+    x = torch.rand(1, 1, 16, 16)
+    grads = []
+    for wrap in (False, True):
+        model = net()
+        if wrap:
+            checkpoint_module(model)
+        torch.manual_seed(2)
+        model(x).square().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert stashed  # the dropout region's state was kept
+    for plain_grad, ckpt_grad in zip(*grads):
+        torch.testing.assert_close(ckpt_grad, plain_grad, rtol=0, atol=0)
 
 
 def test_checkpoint_regions_recorded(checkpointed):
@@ -145,3 +222,21 @@ def test_checkpoint_with_fp16_runs_on_cuda():
                        validate=True)
     record = execute(cfg, db=None)
     assert record.status == "ok", record.error
+
+
+def test_recomputation_leaves_fake_quantizer_observers_alone():
+    """quantization + checkpoint: the recomputation must not observe the activations a second
+    time (a moving-average observer would move again from the second step on), so after two
+    steps every buffer - BatchNorm statistics, observer ranges, scales - equals quantization's
+    alone exactly."""
+    def two_steps(techniques):
+        torch.manual_seed(0)
+        model = build_pipeline(make_plan(small_config(techniques=techniques))).model
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            model(torch.rand(1, 1, 64, 64, generator=gen)).mean().backward()
+        return dict(model.named_buffers())
+    alone, both = two_steps(["quantization"]), two_steps(["quantization", "checkpoint"])
+    assert alone.keys() == both.keys()
+    for name, buf in alone.items():
+        torch.testing.assert_close(both[name], buf, rtol=0, atol=0, msg=name)

@@ -33,8 +33,19 @@ Placements (positional option `placement`):
 BatchNorm: recomputation runs the BatchNorm layers of a region again in training mode, which
 would update running_mean / running_var / num_batches_tracked a second time per step. The
 recompute context (checkpoint's `context_fn` gives the forward and the recomputation separate
-contexts) snapshots those buffers and restores them afterwards, so the running statistics
-equal the plain model's exactly. Modules are not replaced (only `forward` of instances is
+contexts) runs them with momentum 0 and their batch counter detached: they normalise with the
+batch's own statistics, as the forward did, and rewrite the running buffers with their own
+values, so the running statistics equal the plain model's exactly and the recomputation
+launches no kernel the forward did not (an earlier version cloned and restored the buffers:
+270 extra small kernels per step on the ResNet-34 U-Net, on the backward's critical path).
+Fake quantizers (`quantization`) likewise keep the scales their forward observed.
+
+What torch.utils.checkpoint does by default and memstudy leaves out (eager mode): stashing and
+restoring the CPU and CUDA random-number state around every region (`preserve_rng_state`) is
+done only for regions holding a module that draws random numbers (dropout, RReLU); the
+U-Net's blocks draw none. The metadata check of every recomputed tensor
+(`determinism_check`) is off; the gradient tests against the plain model guard the
+recomputation instead. Both are per-region host work on the backward's critical path. Modules are not replaced (only `forward` of instances is
 patched), so parameter names and state_dict keys are unchanged. A run of `invertible`'s
 momentum blocks is one region (not under `selective`); other blocks that are not plain ResNet
 blocks are left unwrapped and listed in the run's notes.
@@ -52,6 +63,7 @@ import torch
 from segmentation_models_pytorch.decoders.unet.decoder import UnetDecoder
 from segmentation_models_pytorch.encoders.resnet import ResNetEncoder
 from torch import nn
+from torch.ao.quantization import FakeQuantizeBase
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts, noop_context_fn)
 from torchvision.models.resnet import BasicBlock, Bottleneck
@@ -65,6 +77,9 @@ from memstudy.techniques.invertible import MomentumBlocks
 PLACEMENTS = ("block", "sqrt", "selective")
 RESNET34_UNET_UNITS = 1 + (3 + 4 + 6 + 3) + 5  # stem, BasicBlocks, decoder blocks
 SAVED_OPS = {torch.ops.aten.convolution.default}  # `selective` keeps these outputs
+# modules that draw random numbers in training: only regions holding one need the RNG state
+# stashed in forward and restored for the recomputation (preserve_rng_state)
+RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
 
 
 @dataclass
@@ -96,24 +111,47 @@ def _save_convolutions(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _recomputed_bns(modules: list[nn.Module]) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [bn for m in modules for bn in m.modules()
+            if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.training
+            and bn.track_running_stats]
+
+
 @contextlib.contextmanager
-def bn_stats_restored(modules: list[nn.Module]):
-    """Whatever BatchNorm does to its running statistics inside, they are put back on exit."""
-    saved = [(buf, buf.clone()) for m in modules for bn in m.modules()
-             if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.track_running_stats
-             for buf in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
+def running_stats_untouched(modules: list[nn.Module]):
+    """Inside, training-mode BatchNorm layers normalise with batch statistics (as they did in the
+    forward) and leave their running buffers as they are; fake quantizers keep their scales.
+
+    Momentum 0 makes BatchNorm's fused update write running = 1 * running + 0 * batch, the
+    same values, inside the kernel it launches anyway, and with the batch counter detached
+    (None) it is not advanced: Python attributes only, no kernel added. (Turning
+    `track_running_stats` off instead would drop the running buffers from what BatchNorm
+    saves for backward, and checkpoint refuses a recomputation that saves fewer tensors.)"""
+    bns = _recomputed_bns(modules)
+    saved = [(bn, bn.momentum, bn.num_batches_tracked) for bn in bns]
+    observers = [(fq, fq.observer_enabled.clone()) for m in modules for fq in m.modules()
+                 if isinstance(fq, FakeQuantizeBase)]
+    for bn in bns:
+        bn.momentum, bn.num_batches_tracked = 0.0, None
+    for fq, _ in observers:
+        fq.disable_observer()
     try:
         yield
     finally:  # also when checkpoint's early stop interrupts the recomputation
-        with torch.no_grad():
-            for buf, value in saved:
-                buf.copy_(value)
+        for bn, momentum, counter in saved:
+            bn.momentum, bn.num_batches_tracked = momentum, counter
+        for fq, enabled in observers:
+            fq.observer_enabled.copy_(enabled)
 
 
 @contextlib.contextmanager
 def _recompute_context(modules: list[nn.Module], inner):
-    with bn_stats_restored(modules), inner:
+    with running_stats_untouched(modules), inner:
         yield
+
+
+def draws_random(modules: list[nn.Module]) -> bool:
+    return any(isinstance(m, RANDOM_MODULES) for module in modules for m in module.modules())
 
 
 def _contexts(modules: list[nn.Module], selective: bool):
@@ -142,6 +180,8 @@ def checkpointed_call(fn: Callable, modules: list[nn.Module], selective: bool, *
     # Older torch (before the option existed) keeps them outside the hooks: the meters then
     # miss what `selective` saves, and the run's notes say so.
     extra = {"respect_saved_tensors_hooks": True} if _HAS_RESPECT_HOOKS else {}
+    if not torch.compiler.is_compiling():  # host work per region that the U-Net does not need
+        extra.update(preserve_rng_state=draws_random(modules), determinism_check="none")
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **extra, **kwargs)
 
 
