@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -102,6 +103,69 @@ def apply_signs_reference(grad: torch.Tensor, signs: torch.Tensor) -> torch.Tens
     shifts = torch.arange(8, dtype=torch.int32, device=signs.device)
     bits = ((signs.to(torch.int32)[:, None] >> shifts) & 1).reshape(-1)[:grad.numel()]
     return torch.where(bits.bool(), grad, torch.zeros_like(grad))
+
+
+# -- max-pool indices as window offsets (PyTorch; exact integer arithmetic) --------------------
+@dataclass(frozen=True)
+class PoolWindow:
+    """A 2-D max-pool's geometry: enough to turn the flat index of each output's maximum
+    (ih * W + iw in its input plane) into its place in the output's window and back."""
+    in_w: int
+    out_h: int
+    out_w: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+
+    @property
+    def offset_bits(self) -> int:
+        """4 bits when a window has at most 16 places (3 x 3: 9), else 8."""
+        return 4 if self.kernel[0] * self.kernel[1] <= 16 else 8
+
+    def _origins(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input row of each output row's window top, input column of each window's left."""
+        rows = torch.arange(self.out_h, device=device) * self.stride[0] - self.padding[0]
+        cols = torch.arange(self.out_w, device=device) * self.stride[1] - self.padding[1]
+        return rows[:, None], cols
+
+
+def window_offsets(indices: torch.Tensor, window: PoolWindow) -> torch.Tensor:
+    """Packed offsets (uint8, 1-D) of max-pool `indices` within their windows, in the
+    contiguous order of `indices`: offset = row_in_window * kernel_w + col_in_window."""
+    rows, cols = window._origins(indices.device)
+    flat = indices.contiguous()
+    ih = torch.div(flat, window.in_w, rounding_mode="floor")
+    iw = flat - ih * window.in_w
+    ih.sub_(rows).div_(window.dilation[0], rounding_mode="floor")
+    iw.sub_(cols).div_(window.dilation[1], rounding_mode="floor")
+    offsets = ih.mul_(window.kernel[1]).add_(iw).to(torch.uint8).reshape(-1)
+    return _pack_nibbles(offsets) if window.offset_bits == 4 else offsets
+
+
+def window_indices(packed: torch.Tensor, window: PoolWindow, shape: torch.Size) -> torch.Tensor:
+    """The int64 max-pool indices (contiguous, `shape`) that `window_offsets` packed."""
+    n = torch.Size(shape).numel()
+    offsets = (_unpack_nibbles(packed, n) if window.offset_bits == 4 else packed).to(torch.int64)
+    offsets = offsets.view(shape)
+    rows, cols = window._origins(packed.device)
+    ih = torch.div(offsets, window.kernel[1], rounding_mode="floor")
+    iw = offsets.sub_(ih * window.kernel[1])
+    ih.mul_(window.dilation[0]).add_(rows)
+    iw.mul_(window.dilation[1]).add_(cols)
+    return ih.mul_(window.in_w).add_(iw)
+
+
+def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit values (uint8 < 16) per byte, the first in the low half."""
+    if values.numel() % 2:
+        values = torch.cat([values, values.new_zeros(1)])
+    pairs = values.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)[:n]
 
 
 # -- Triton kernels --------------------------------------------------------------------------

@@ -65,6 +65,7 @@ from memstudy.techniques.base import Build, Plan, Stage, Technique
 WHICH = ("all", "boundaries")
 IMPLS = ("auto", "triton", "torch")
 SIGN_MASK = "_memstudy_sign_mask"  # on a ReLU mask: the storage of the output it stands for
+POOL_OFFSETS = "_memstudy_pool_offsets"  # on max-pool offsets: bytes of the indices they replace
 
 __all__ = ["Compressor", "Quantized", "mark_boundary"]
 
@@ -85,6 +86,9 @@ class Options:
         "help": "triton kernels, torch references, or auto (triton on CUDA, torch on the CPU)"})
     relu_mask: bool = field(default=True, metadata={
         "help": "ReLU saves a 1-bit sign mask instead of its output (which=all only)"})
+    pool_offsets: bool = field(default=True, metadata={
+        "help": "max-pool saves each maximum's place in its window (4 bits, exact) instead of "
+                "its int64 index (which=all only)"})
     grad_probe: bool = field(default=True, metadata={
         "help": "re-run the last warm-up step uncompressed and record the gradient deviation"})
 
@@ -128,11 +132,12 @@ class SavedStorage:
     compressed: int = 0  # bytes of its compressed forms
     replaced: bool = False  # a ReLU output whose sign mask was saved instead
     mask: bool = False  # this storage is a sign mask (it does not exist without compress)
+    stands_for: int = 0  # a mask or offsets saved instead of this many bytes (freed at once)
 
     @property
     def before(self) -> int:
         if self.mask:
-            return 0
+            return self.stands_for
         return self.nbytes if self.compressed or self.replaced or self._alive() else 0
 
     @property
@@ -211,6 +216,11 @@ class Compressor:
             return t
         if not self.active:  # the loss: saved as it is, and counted as such
             self._count_plain(t)
+            return t
+        stands_for = getattr(t, POOL_OFFSETS, None)
+        if stands_for is not None:  # max-pool window offsets, saved instead of int64 indices
+            entry = self._entry(t.untyped_storage())
+            entry.mask, entry.stands_for = True, stands_for
             return t
         replaced = getattr(t, SIGN_MASK, None)
         if replaced is not None:  # a ReLU mask, saved instead of the output
@@ -335,6 +345,59 @@ def patch_relus(model: nn.Module, compressor: Compressor) -> int:
     for relu in relus:
         relu.forward = functools.partial(_masked_relu_forward, relu, compressor)
     return len(relus)
+
+
+class _OffsetIndexMaxPool(torch.autograd.Function):
+    """2-D max-pool that saves where each maximum sits in its window (4 bits for a 3 x 3
+    window) instead of its int64 flat index (64 bits): backward rebuilds the exact indices
+    and runs PyTorch's own max-pool backward on them, so the gradient is bit-identical."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, pool: nn.MaxPool2d) -> torch.Tensor:
+        out, indices = torch.nn.functional.max_pool2d(
+            x, pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode,
+            return_indices=True)
+        ctx.window = qk.PoolWindow(x.shape[-1], out.shape[-2], out.shape[-1],
+                                   *(_pair(getattr(pool, a)) for a in POOL_ARGS))
+        ctx.pool, ctx.in_shape, ctx.out_shape = pool, x.shape, out.shape
+        offsets = qk.window_offsets(indices, ctx.window)
+        setattr(offsets, POOL_OFFSETS, indices.untyped_storage().nbytes())
+        ctx.save_for_backward(offsets)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (offsets,) = ctx.saved_tensors
+        indices = qk.window_indices(offsets, ctx.window, ctx.out_shape)
+        # the op reads only the input's shape: a zero-stride stand-in, no input kept
+        shape_only = grad.new_zeros(()).expand(ctx.in_shape)
+        pool = ctx.pool
+        grad_in = torch.ops.aten.max_pool2d_with_indices_backward(
+            grad, shape_only, _pair(pool.kernel_size), _pair(pool.stride), _pair(pool.padding),
+            _pair(pool.dilation), pool.ceil_mode, indices)
+        return grad_in, None
+
+
+POOL_ARGS = ("kernel_size", "stride", "padding", "dilation")
+
+
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def _offset_pool_forward(module: nn.MaxPool2d, compressor: Compressor, x: torch.Tensor
+                         ) -> torch.Tensor:
+    if compressor.active and torch.is_grad_enabled() and x.requires_grad:
+        return _OffsetIndexMaxPool.apply(x, module)
+    return nn.MaxPool2d.forward(module, x)
+
+
+def patch_maxpools(model: nn.Module, compressor: Compressor) -> int:
+    """Give every nn.MaxPool2d instance (without return_indices) the offset-saving forward."""
+    pools = [m for m in model.modules() if type(m) is nn.MaxPool2d and not m.return_indices]
+    for pool in pools:
+        pool.forward = functools.partial(_offset_pool_forward, pool, compressor)
+    return len(pools)
 
 
 # -- the effect on learning ------------------------------------------------------------------
@@ -507,6 +570,8 @@ def apply(opts: Options, build: Build) -> None:
         rt.loss_fn = exact_loss
         if opts.relu_mask:
             build.notes["compress_relus_masked"] = patch_relus(build.model, compressor)
+        if opts.pool_offsets:
+            build.notes["compress_pools_offset"] = patch_maxpools(build.model, compressor)
     probe_after = build.config.train.warmup_steps - 1 if opts.grad_probe else None
     build.notes["compress"] = CompressionRecord(compressor, rt, probe_after)
     build.notes["compress_impl"] = impl
