@@ -239,9 +239,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.check:
         print(f"spec ok: {len(spec.space)} setting(s) searched: {', '.join(spec.space)}")
         return 0
+    if args.best is not None:  # read the recorded search; trains nothing, needs no Propulate
+        from memstudy.tune_results import best_table
+
+        if args.best < 1 or not Path(args.db).is_file():
+            raise ConfigError(f"tune --best {args.best}: give N >= 1 and an existing --db "
+                              f"({args.db})")
+        print(best_table(spec, ResultsDB(args.db), args.best))
+        return 0
     trials = run_tune(spec, ResultsDB(args.db), progress=None if args.quiet else eprint)
-    print(f"trained {len(trials.ran)} trial(s), {len(trials.reused)} found already recorded; "
-          f"stored in {args.db}")
+    print(f"trained {len(trials.ran)} trial(s), {len(trials.reused)} found already recorded, "
+          f"{len(trials.refused)} refused before running; stored in {args.db}")
     return 0
 
 
@@ -263,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(docs/tune.md); every trial a recorded run, resumable")
     tune.add_argument("spec", help="tune spec (TOML: [base], [space], [search], [fitness])")
     tune.add_argument("--check", action="store_true", help="validate the spec; run nothing")
+    tune.add_argument("--best", type=int, metavar="N", help="print the N best recorded trials of "
+                      "this spec in --db and the best one's settings; run nothing")
     tune.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     tune.set_defaults(func=cmd_tune)
     for command in sub.choices.values():  # `memstudy run --db X` as well as `memstudy --db X run`

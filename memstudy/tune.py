@@ -10,55 +10,69 @@ Spec (TOML, docs/tune.md):
     [space]                     # "<section or technique>.<name>" = range or choices
     "train.lr" = [1e-4, 1e-2]   # two numbers: a float range (two ints: an int range)
     "lowrank.beta" = [0.05, 0.5]
+    "tri_accel.tau_low" = {low = 1e-8, high = 1e-5, log = true}   # searched as log10
     "train.optimizer" = ["adam", "adamw"]   # strings: categorical
     [search]
     generations = 8             # trials per worker (Propulate's generations)
     pop_size = 4
     seed = 0
     [fitness]
-    metric = "val_loss"         # last epoch's validation loss (1 - MS-SSIM), minimised
+    metric = "val_loss"         # or train_loss, or efficiency_score
     memory_budget = "8GiB"      # optional
 
 Fitness (minimised), a function of recorded figures only:
-- status ok, within the budget (or none): the metric of the last epoch (rank 0): in [0, 1];
+- status ok, within the budget (or none): val_loss / train_loss: the last epoch's loss (rank 0),
+  in [0, 1]; efficiency_score: minus Tri-Accel's efficiency score Q / (T * M) * 100
+  (memstudy/triaccel/score.py, seeds/000 section 4.2), <= 0;
 - status ok, peak memory above the budget: 1 + peak / budget (every such trial ranks behind
   every trial within the budget, smaller overshoots first); peak memory is the run's
   `alloc_peak_total_bytes` on a GPU, the largest `tensor_start_bytes + tensor_peak_bytes` of a
   phase on the CPU (docs/metrics.md);
-- oom, diverged, error: +inf.
+- oom, diverged, error, or a trial config refused before it ran (nothing recorded): +inf.
 
 Resumable: a trial whose resolved config hash is already in the database is not re-run; its
-recorded figures give the fitness. Islands: one Propulate worker per MPI rank
-(`mpirun -n N memstudy tune ...`); rank r trains on GPU r mod (visible GPUs).
+recorded figures give the fitness; Propulate's own population checkpoint (default: beside the
+database, `<db>.propulate/`) lets a restarted search go on from its last generation. Islands:
+one Propulate worker per MPI rank (`mpirun -n N memstudy tune ...`); rank r trains on GPU
+r mod (visible GPUs). The Propulate driver is memstudy/tune_propulate.py; this module needs
+neither Propulate nor MPI.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import math
-import os
-import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
+from memstudy.bytesize import parse_bytes
 from memstudy.config import RunConfig, from_dict, read_toml
 from memstudy.errors import ConfigError
-from memstudy.bytesize import parse_bytes
 
 SETTING_SECTIONS = ("train", "data")
 TUNE_LABEL = "tune"
+# metric -> sign: the fitness is sign * value, minimised (the efficiency score is maximised)
+METRICS = {"val_loss": 1.0, "train_loss": 1.0, "efficiency_score": -1.0}
+
+
+class LogRange(tuple):
+    """A float range (low, high), 0 < low < high, that Propulate searches as log10: thresholds
+    spanning orders of magnitude are sampled evenly per decade, not crowded at the top."""
+
+    def __new__(cls, low: float, high: float):
+        return super().__new__(cls, (float(low), float(high)))
 
 
 @dataclass
 class TuneSpec:
     base: dict[str, Any]
-    space: dict[str, tuple]  # key -> (lo, hi) numbers or a tuple of strings
+    space: dict[str, tuple]  # key -> (lo, hi) numbers, a LogRange, or a tuple of strings
     generations: int = 4
     pop_size: int = 4
     seed: int = 0
     metric: str = "val_loss"
     memory_budget: str | None = None
-    checkpoint: str = "tune-checkpoints"
+    checkpoint: str | None = None  # None: `<db>.propulate` beside the results database
     islands: int = 1
 
 
@@ -87,12 +101,14 @@ def parse_spec(raw: dict[str, Any]) -> TuneSpec:
 
 
 def _dimension(key: str, value: Any) -> tuple:
+    if isinstance(value, dict):
+        return _log_range(key, value)
     if not isinstance(value, list) or not value:
-        raise ConfigError(f"tune space {key!r}: give [low, high] or a list of choices")
+        raise ConfigError(f"tune space {key!r}: give [low, high], a list of choices or "
+                          "{low = .., high = .., log = true}")
     if all(isinstance(v, str) for v in value):
         return tuple(value)
-    if len(value) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                  for v in value):
+    if len(value) != 2 or not all(_is_number(v) for v in value):
         raise ConfigError(f"tune space {key!r} = {value}: a range is two numbers [low, high]")
     lo, hi = value
     if not lo < hi:
@@ -102,10 +118,24 @@ def _dimension(key: str, value: Any) -> tuple:
     return (float(lo), float(hi))
 
 
+def _log_range(key: str, value: dict[str, Any]) -> LogRange:
+    if set(value) != {"low", "high", "log"} or value["log"] is not True:
+        raise ConfigError(f"tune space {key!r} = {value}: a table is {{low = .., high = .., "
+                          "log = true}} (a log10-scaled float range); otherwise write [low, high]")
+    lo, hi = value["low"], value["high"]
+    if not (_is_number(lo) and _is_number(hi) and 0 < lo < hi):
+        raise ConfigError(f"tune space {key!r}: a log range needs 0 < low < high "
+                          f"(got low {lo}, high {hi})")
+    return LogRange(lo, hi)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_spec(spec: TuneSpec) -> None:
     """Everything refusable, refused before any trial runs: empty space, unknown names, bad
     values at the corners of the space, bad search settings."""
-    from memstudy.techniques import get_technique
     from memstudy.techniques.compose import make_plan
 
     if not spec.space:
@@ -114,36 +144,42 @@ def check_spec(spec: TuneSpec) -> None:
     for name in ("generations", "pop_size", "islands"):
         if getattr(spec, name) < 1:
             raise ConfigError(f"tune spec: [search] {name} must be >= 1 (got {getattr(spec, name)})")
-    if spec.metric not in ("val_loss", "train_loss"):
-        raise ConfigError(f"tune spec: [fitness] metric {spec.metric!r}: use val_loss or train_loss")
+    if spec.metric not in METRICS:
+        raise ConfigError(f"tune spec: [fitness] metric {spec.metric!r}: use one of {list(METRICS)}")
     if spec.memory_budget is not None:
         try:
             parse_bytes(spec.memory_budget, "memory_budget")
         except ValueError as exc:
             raise ConfigError(f"tune spec: [fitness] {exc}") from None
     base = base_config(spec)
-    chosen = [t.split(":")[0] for t in base.techniques]
     for key in spec.space:
-        section, _, name = key.partition(".")
-        if not name:
-            raise ConfigError(f"tune space {key!r}: write <section or technique>.<name>, "
-                              "e.g. train.lr or lowrank.beta")
-        if section in SETTING_SECTIONS:
-            valid = {f.name for f in dataclasses.fields(getattr(base, section))}
-            if name not in valid:
-                raise ConfigError(f"tune space {key!r}: [{section}] has no setting {name!r}; "
-                                  f"valid: {sorted(valid)}")
-            continue
-        if section not in chosen:
-            raise ConfigError(f"tune space {key!r}: technique {section!r} is not in [base] "
-                              f"techniques {base.techniques}; add it there or fix the name")
-        options = {f.name for f in dataclasses.fields(get_technique(section).options)}
-        if name not in options:
-            raise ConfigError(f"tune space {key!r}: technique {section} has no option {name!r}; "
-                              f"options: {sorted(options)}")
+        _check_key(key, base)
     for corner in ("low", "high"):  # refused values at either end stop the search up front
         params = {k: (v[0] if corner == "low" else v[-1]) for k, v in spec.space.items()}
         make_plan(trial_config(spec, params))
+
+
+def _check_key(key: str, base: RunConfig) -> None:
+    from memstudy.techniques import get_technique
+
+    section, _, name = key.partition(".")
+    if not name:
+        raise ConfigError(f"tune space {key!r}: write <section or technique>.<name>, "
+                          "e.g. train.lr or lowrank.beta")
+    if section in SETTING_SECTIONS:
+        valid = {f.name for f in dataclasses.fields(getattr(base, section))}
+        if name not in valid:
+            raise ConfigError(f"tune space {key!r}: [{section}] has no setting {name!r}; "
+                              f"valid: {sorted(valid)}")
+        return
+    chosen = [t.split(":")[0] for t in base.techniques]
+    if section not in chosen:
+        raise ConfigError(f"tune space {key!r}: technique {section!r} is not in [base] "
+                          f"techniques {base.techniques}; add it there or fix the name")
+    options = {f.name for f in dataclasses.fields(get_technique(section).options)}
+    if name not in options:
+        raise ConfigError(f"tune space {key!r}: technique {section} has no option {name!r}; "
+                          f"options: {sorted(options)}")
 
 
 def base_config(spec: TuneSpec) -> RunConfig:
@@ -173,8 +209,27 @@ def config_hash(cfg: RunConfig) -> str:
     return resolved(copy.deepcopy(cfg)).hash()
 
 
+def search_limits(spec: TuneSpec) -> dict[str, tuple]:
+    """The space as Propulate sees it: log ranges as (log10 low, log10 high)."""
+    return {k: ((math.log10(v[0]), math.log10(v[1])) if isinstance(v, LogRange) else v)
+            for k, v in spec.space.items()}
+
+
+def trial_value(dim: tuple, searched: Any) -> Any:
+    """A value Propulate proposed (in search_limits' terms) as the setting's value; a log
+    range's value is clipped into [low, high] (10 ** log10(x) may land one ulp outside)."""
+    if isinstance(dim, LogRange):
+        return min(max(10.0 ** float(searched), dim[0]), dim[1])
+    if all(isinstance(v, str) for v in dim):
+        return str(searched)
+    return int(round(searched)) if isinstance(dim[0], int) else float(searched)
+
+
 def recorded_figures(db, digest: str) -> dict[str, Any] | None:
-    """The latest recorded run of this config: status, last-epoch losses (rank 0), peak bytes."""
+    """The latest recorded run of this config: status, last-epoch losses (rank 0), peak bytes,
+    Tri-Accel's efficiency score."""
+    from memstudy.triaccel.score import run_efficiency
+
     runs = db.query("SELECT id, status FROM runs WHERE config_hash = ? ORDER BY id DESC LIMIT 1",
                     (digest,))
     if not runs:
@@ -185,6 +240,7 @@ def recorded_figures(db, digest: str) -> dict[str, Any] | None:
     return {"status": status, "run_id": run_id,
             "val_loss": epochs[-1]["val_loss"] if epochs else None,
             "train_loss": epochs[-1]["train_loss"] if epochs else None,
+            "efficiency_score": run_efficiency(db, run_id)["score"] if status == "ok" else None,
             "peak_bytes": peak_bytes(metrics)}
 
 
@@ -205,7 +261,7 @@ def fitness(figures: dict[str, Any], metric: str, budget_bytes: int | None) -> f
     peak = figures.get("peak_bytes")
     if budget_bytes is not None and peak is not None and peak > budget_bytes:
         return 1.0 + peak / budget_bytes
-    return float(value)
+    return METRICS[metric] * float(value)
 
 
 class Trials:
@@ -217,68 +273,46 @@ class Trials:
         self.budget = parse_bytes(spec.memory_budget, "memory_budget") if spec.memory_budget else None
         self.ran: list[str] = []  # hashes trained by this process
         self.reused: list[str] = []  # hashes found recorded
+        self.refused: list[dict[str, Any]] = []  # trial settings refused before anything ran
 
-    def __call__(self, params: dict[str, Any]) -> float:
+    def __call__(self, searched: dict[str, Any]) -> float:
+        """Propulate's loss function: `searched` holds the values in search_limits' terms."""
+        params = {k: trial_value(self.spec.space[k], v) for k, v in dict(searched).items()
+                  if k in self.spec.space}
+        return self.evaluate(params)
+
+    def evaluate(self, params: dict[str, Any]) -> float:
         from memstudy.runner import execute
 
-        params = {k: _cast(self.spec.space[k], v) for k, v in dict(params).items()
-                  if k in self.spec.space}
         cfg = trial_config(self.spec, params)
         if self.device is not None:
             cfg.train.device = self.device
-        digest = config_hash(cfg)
-        figures = recorded_figures(self.db, digest)
+        try:  # a combination of values refused (by a technique's check): nothing runs
+            digest = config_hash(cfg)
+            figures = recorded_figures(self.db, digest)
+            if figures is None:
+                execute(cfg, self.db, self.progress)
+        except ConfigError as exc:
+            self.refused.append(params)
+            self._say(f"trial {params} refused before it ran: {exc} -> fitness inf")
+            return math.inf
         if figures is None:
-            execute(cfg, self.db, self.progress)
             self.ran.append(digest)
             figures = recorded_figures(self.db, digest)
         else:
             self.reused.append(digest)
         value = fitness(figures, self.spec.metric, self.budget)
-        if self.progress:
-            self.progress(f"trial {params} -> run {figures['run_id']} {figures['status']} "
-                          f"fitness {value:.4f}{' (recorded before)' if digest in self.reused else ''}")
+        self._say(f"trial {params} -> run {figures['run_id']} {figures['status']} fitness "
+                  f"{value:.4f}{' (recorded before)' if digest in self.reused else ''}")
         return value
 
-
-def _cast(dim: tuple, value: Any) -> Any:
-    if all(isinstance(v, str) for v in dim):
-        return str(value)
-    return int(round(value)) if isinstance(dim[0], int) else float(value)
-
-
-def limits(spec: TuneSpec) -> dict[str, tuple]:
-    return dict(spec.space)
+    def _say(self, line: str) -> None:
+        if self.progress:
+            self.progress(line)
 
 
 def run_tune(spec: TuneSpec, db, progress: Callable[[str], None] | None = None) -> Trials:
-    """Propulate over the MPI world: one worker per rank, `spec.islands` islands."""
-    try:
-        from mpi4py import MPI
-        from propulate import Islands
-        from propulate.utils import get_default_propagator
-    except ImportError as exc:
-        raise ConfigError(f"memstudy tune needs Propulate and an MPI library: pip install "
-                          f"'memstudy[tune]' ({exc})") from None
-    comm = MPI.COMM_WORLD
-    if spec.islands > comm.size:
-        raise ConfigError(f"tune spec: islands = {spec.islands} but only {comm.size} MPI "
-                          f"process(es); start with mpirun -n {spec.islands} or lower islands")
-    device = _rank_device(comm.rank)
-    trials = Trials(spec, db, progress, device)
-    rng = random.Random(spec.seed + comm.rank)
-    propagator = get_default_propagator(spec.pop_size, limits(spec), rng=rng)
-    os.makedirs(spec.checkpoint, exist_ok=True)
-    islands = Islands(trials, propagator, rng, generations=spec.generations,
-                      num_islands=spec.islands, checkpoint_path=spec.checkpoint,
-                      migration_probability=0.9 if spec.islands > 1 else 0.0)
-    islands.propulate()
-    return trials
+    """The search itself (Propulate over the MPI world): memstudy/tune_propulate.py."""
+    from memstudy.tune_propulate import run_propulate
 
-
-def _rank_device(rank: int) -> str | None:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"cuda:{rank % torch.cuda.device_count()}"
-    return None
+    return run_propulate(spec, db, progress)
