@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [allocator] [lowrank] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [compress] [compress-4160] [compress-kernels] [compress-offload] [compress-quality]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [allocator] [lowrank] [accumulate] [tune-triaccel] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [compress] [compress-4160] [compress-kernels] [compress-offload] [compress-quality]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -44,7 +44,9 @@ for item in $STEPS; do
         techniques-loss) $PY benchmarks/bench_techniques.py --skip memory --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques-loss.md" 2>&1 | tee "$RES/techniques-loss.log" ;;
         maxres) $PY benchmarks/bench_maxres.py --out "$RES/maxres" ${MAXRES_ARGS:-} 2>&1 | tee "$RES/maxres.log" ;;
         accumulate) $PY benchmarks/bench_accumulate.py --out "$RES/accumulate" ${ACCUMULATE_ARGS:-} 2>&1 | tee "$RES/accumulate.log" ;;
-        tune-triaccel) $PY -m memstudy --db "$RES/tune-triaccel.sqlite" tune benchmarks/specs/tune-triaccel.toml 2>&1 | tee "$RES/tune-triaccel.log" ;;
+        # Propulate + MPI from .whl/tune (benchmarks/tune_env.sh); the ranking is written even when the limit cuts the search
+        tune-triaccel) . benchmarks/tune_env.sh; $PY -m memstudy --db "$RES/tune-triaccel.sqlite" tune benchmarks/specs/tune-triaccel.toml 2>&1 | tee "$RES/tune-triaccel.log"
+            python3 -m memstudy --db "$RES/tune-triaccel.sqlite" tune benchmarks/specs/tune-triaccel.toml --best 10 2>&1 | tee "$RES/tune-triaccel.md" ;;
         triaccel) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel" ${TRIACCEL_ARGS:-} 2>&1 | tee "$RES/triaccel.log" ;;
         kernels) $PY benchmarks/bench_kernels.py --out "$RES/kernels" 2>&1 | tee "$RES/kernels.log" ;;
         bnlag) $PY benchmarks/bench_bn_lag.py --out "$RES/bnlag" ${BNLAG_ARGS:---size 2048 --steps 24 --precisions fp32,fp16} 2>&1 | tee "$RES/bnlag.log" ;;

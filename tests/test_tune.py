@@ -219,3 +219,18 @@ generations = {generations}
 pop_size = 2
 seed = 0
 """
+
+
+def test_the_shipped_triaccel_search_is_valid_apart_from_its_gpu():
+    """benchmarks/specs/tune-triaccel.toml parses and plans with only the GPU parts changed
+    (device cpu, bf16 as the lowest tier): its keys, log ranges and corners are valid."""
+    from memstudy.config import read_toml
+
+    raw = read_toml(str(Path(__file__).parents[1] / "benchmarks/specs/tune-triaccel.toml"), "spec")
+    raw["base"]["train"]["device"] = "cpu"
+    raw["base"]["techniques"] = [t + ":low=bf16" for t in raw["base"]["techniques"]]
+    spec = parse_spec(raw)
+    assert spec.metric == "efficiency_score" and set(spec.space) == {
+        "tri_accel.tau_low", "tri_accel.tau_high", "tri_accel.tau_curv"}
+    assert all(isinstance(d, LogRange) for d in spec.space.values())
+    assert spec.space["tri_accel.tau_low"][1] <= spec.space["tri_accel.tau_high"][0]
