@@ -7,7 +7,6 @@ one transaction: ok, oom (with its phase), diverged (NaN / inf loss) or error.
 from __future__ import annotations
 
 import gc
-import os
 import random
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from memstudy import cuda_allocator
 from memstudy import env as envinfo
 from memstudy.budget import apply_budget, budget_bytes, recap_after_warmup
 from memstudy.config import RunConfig
@@ -28,6 +28,7 @@ from memstudy.errors import Diverged, PhaseFailure
 from memstudy.meters import PhaseRecorder
 from memstudy.meters.flops import model_flops_per_step, pixel_count
 from memstudy.meters.nvml import EnergyCounter
+from memstudy.phases import STEP
 from memstudy.quality import min_image_size
 from memstudy.store import ResultsDB, RunRecord
 from memstudy.techniques import canonical, declaring
@@ -73,7 +74,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
     record.env["data"] = describe_datasets(train_set, val_set)
     record.env.update(budget_facts)
     if device.type == "cuda":  # what the caching allocator runs with (`allocator`, or inherited)
-        record.env["allocator_settings"] = allocator_settings()
+        record.env.update(cuda_allocator.describe())
     seed_everything(config.train.seed)
     state, recorder, build, energy = TrainState(), None, None, None
     try:
@@ -104,6 +105,8 @@ def execute(config: RunConfig, db: ResultsDB | None,
         if energy is not None:  # the training loop's energy, validation included
             state.energy_j = energy.joules()
     _fill(record, recorder, state, config, train_set.shapes)
+    if device.type == "cuda":
+        _read_back_allocator(record, device)
     if build is not None:  # rows recorded by techniques (e.g. tri_accel's control steps)
         record.series = [*record.series, *(r for src in build.runtime.series_sources for r in src())]
     record = gather_record(record)  # distributed: rank 0 merges every rank's measurements
@@ -116,12 +119,17 @@ def execute(config: RunConfig, db: ResultsDB | None,
 def _recap_budget_after_warmup(build, config: RunConfig, env: dict) -> None:
     """Once the last warm-up step is done, cap the allocator by the context as it has grown."""
     last_warmup = config.train.warmup_steps
-    if config.budget is None or build.device.type != "cuda" or last_warmup < 1:
+    if config.budget is None or last_warmup < 1:  # on the CPU recap_after_warmup does nothing
         return
 
     def hook(info) -> None:
         if info.step == last_warmup:
-            env.update(recap_after_warmup(config.budget, build.device))
+            try:
+                env.update(recap_after_warmup(config.budget, build.device))
+            except Exception as exc:  # noqa: BLE001 - recorded with where it happened
+                # after the last warm-up step's optimizer step, before the first measured
+                # step: the step phase of that step, not the run's setup
+                raise PhaseFailure(STEP, info.step, exc) from exc
 
     build.runtime.step_hooks.append(hook)
 
@@ -178,10 +186,18 @@ def _mean_flops(batch: int, shapes: list[tuple[int, int]]) -> float:
     return sum(n * model_flops_per_step(batch, size) for size, n in counts.items()) / len(shapes)
 
 
-def allocator_settings() -> str | None:
-    """The CUDA caching allocator's settings string ('' = PyTorch's defaults)."""
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # torch >= 2.9
-    return getter() if getter is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+def _read_back_allocator(record: RunRecord, device: torch.device) -> None:
+    """Compare what the allocator reports with the settings recorded for it (a derived record:
+    failing to read it must not lose the run's own)."""
+    try:
+        facts = cuda_allocator.read_back(record.env.get("allocator_settings", ""), device)
+    except Exception as exc:  # noqa: BLE001 - kept in the record instead
+        record.env["allocator_read_back_error"] = _describe(exc)
+        return
+    record.env.update(facts)
+    if facts.get("allocator_verified") is False:
+        eprint(f"allocator: the CUDA allocator reports other settings than "
+               f"{record.env.get('allocator_settings')!r}: {facts['allocator_mismatch']}")
 
 
 def _describe(exc: BaseException) -> str:

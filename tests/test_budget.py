@@ -97,3 +97,28 @@ def test_recap_after_warmup_caps_by_the_grown_context(monkeypatch):
     assert facts["allocator_cap_after_warmup_bytes"] == 4 * gib - context
     assert budget_mod.recap_after_warmup(None, torch.device("cuda", 0)) == {}
     assert budget_mod.recap_after_warmup("4GiB", torch.device("cpu")) == {}
+
+
+@pytest.mark.parametrize("cause, status", [
+    (torch.OutOfMemoryError("cap below the allocator's reserved bytes"), "oom"),
+    (ConfigError("budget 4096 MB does not even hold the CUDA context (4200 MB measured by NVML)"),
+     "error"),
+])
+def test_a_failing_recap_after_warmup_is_recorded_in_the_step_it_follows(
+        make_config, monkeypatch, cause, status):
+    """The re-cap runs after the last warm-up step's optimizer step, before the first measured
+    step: its failure belongs to that step's `step` phase, not to the run's setup."""
+    import memstudy.runner as runner_mod
+
+    calls = []
+
+    def recap(budget, device):
+        calls.append(budget)
+        raise cause
+    monkeypatch.setattr(runner_mod, "recap_after_warmup", recap)
+    cfg = make_config(192, validate=False, warmup_steps=1, max_steps=2)
+    cfg.budget = "64GiB"  # on the CPU the tensor meter enforces it; nothing comes near it
+    rec = execute(cfg, None)
+    assert calls == ["64GiB"]
+    assert (rec.status, rec.failed_phase) == (status, "step")
+    assert str(cause) in rec.error

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from conftest import small_config
+from memstudy import cuda_allocator
 from memstudy.errors import ConfigError
-from memstudy.techniques import allocator
+from memstudy.runner import _read_back_allocator
+from memstudy.store import RunRecord
 from memstudy.techniques.compose import make_plan, prepare_process
 
 CUDA = torch.device("cuda")
@@ -29,9 +31,10 @@ def cuda_plan(techniques: list[str]):
 def fresh_process(monkeypatch):
     """This process as if nothing had configured its allocator, with the setter recorded."""
     calls: list[str] = []
-    monkeypatch.setattr(allocator, "_applied", None)
+    monkeypatch.setattr(cuda_allocator, "_applied", None)
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    for var in cuda_allocator.ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
     return calls
 
 
@@ -54,9 +57,10 @@ def test_refused_on_the_cpu():
         make_plan(small_config(techniques=["allocator:expandable_segments=true"]))
 
 
-def test_an_environment_setting_is_refused(fresh_process, monkeypatch):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    with pytest.raises(ConfigError, match="PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True' is set"):
+@pytest.mark.parametrize("var", cuda_allocator.ENV_VARS)
+def test_an_environment_setting_is_refused(fresh_process, monkeypatch, var):
+    monkeypatch.setenv(var, "expandable_segments:True")
+    with pytest.raises(ConfigError, match=f"{var}='expandable_segments:True' is set"):
         cuda_plan(["allocator:max_split_size_mb=256"])
 
 
@@ -106,6 +110,72 @@ def test_pytorch_accepts_the_settings_string(tmp_path):
                                                    "garbage_collection_threshold:0.6,max_split_size_mb:256")
 
 
+def test_the_record_names_the_settings_and_their_source(fresh_process, monkeypatch):
+    """What the allocator was configured with: memstudy's own settings (whatever torch's getter
+    says), else the environment's, else PyTorch's defaults."""
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+    assert cuda_allocator.describe() == {"allocator_settings": "",
+                                         "allocator_settings_source": "defaults"}
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert cuda_allocator.describe() == {"allocator_settings": "max_split_size_mb:128",
+                                         "allocator_settings_source": "environment"}
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    prepare_process(cuda_plan(["allocator:expandable_segments=true:max_split_size_mb=64"]))
+    assert cuda_allocator.describe() == {
+        "allocator_settings": "expandable_segments:True,max_split_size_mb:64",
+        "allocator_settings_source": "allocator technique"}
+
+
+def fake_allocator(monkeypatch, values: dict | None) -> None:
+    """torch's CUDA allocator as its memory snapshot reports it (no GPU needed)."""
+    snapshot = {"segments": [], "device_traces": []}
+    if values is not None:
+        snapshot["allocator_settings"] = {"PYTORCH_CUDA_ALLOC_CONF": "", **values}
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda device=None: snapshot)
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
+
+
+UNLIMITED = -1  # SIZE_MAX as the snapshot's int64
+
+
+@pytest.mark.parametrize("values, verified, mismatch", [
+    ({"expandable_segments": True, "max_split_size": 64 << 20,
+      "garbage_collection_threshold": 0.0}, True, None),
+    ({"expandable_segments": False, "max_split_size": UNLIMITED,
+      "garbage_collection_threshold": 0.0}, False,
+     ["expandable_segments: True asked, False reported", "max_split_size_mb: 64 asked, 0 reported"]),
+    (None, None, None),  # a torch whose snapshot reports no settings: nothing claimed
+])
+def test_the_allocator_is_read_back_and_compared(monkeypatch, capsys, values, verified, mismatch):
+    fake_allocator(monkeypatch, values)
+    record = RunRecord(config={}, config_hash="", name="x", status="ok", started_at=0.0,
+                       env={"allocator_settings": "expandable_segments:True,max_split_size_mb:64"})
+    _read_back_allocator(record, CUDA)
+    assert record.env["allocator_reported"]["backend"] == "native"
+    assert record.env.get("allocator_verified") is verified
+    assert record.env.get("allocator_mismatch") == mismatch
+    assert ("reports other settings" in capsys.readouterr().err) == (verified is False)
+
+
+def test_defaults_are_verified_against_an_empty_string(monkeypatch):
+    fake_allocator(monkeypatch, {"expandable_segments": False, "max_split_size": UNLIMITED,
+                                 "garbage_collection_threshold": 0.0})
+    facts = cuda_allocator.read_back("", CUDA)
+    assert facts["allocator_verified"] is True
+    assert facts["allocator_reported"]["max_split_size_mb"] == 0
+
+
+def test_a_failing_read_back_keeps_the_record(monkeypatch):
+    def broken(device=None):
+        raise RuntimeError("snapshot unavailable")
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", broken)
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
+    record = RunRecord(config={}, config_hash="", name="x", status="ok", started_at=0.0,
+                       env={"allocator_settings": ""})
+    _read_back_allocator(record, CUDA)
+    assert record.status == "ok" and "snapshot unavailable" in record.env["allocator_read_back_error"]
+
+
 @pytest.mark.gpu
 def test_a_cuda_run_applies_and_records_the_settings(tmp_path):
     db = tmp_path / "a.sqlite"
@@ -117,7 +187,10 @@ def test_a_cuda_run_applies_and_records_the_settings(tmp_path):
 
     run = ResultsDB(db).runs()[-1]
     env = json.loads(run["env_json"])
-    assert "expandable_segments:True" in env["allocator_settings"]
+    assert env["allocator_settings"] == "expandable_segments:True"
+    assert env["allocator_settings_source"] == "allocator technique"
+    assert env["allocator_reported"]["expandable_segments"] is True, env
+    assert env["allocator_verified"] is True, env
     rows = ResultsDB(db).query("SELECT name, value FROM metrics WHERE phase = 'run'")
     figures = {r["name"]: r["value"] for r in rows}
     assert figures["fragmentation_bytes"] == (figures["reserved_peak_total_bytes"]

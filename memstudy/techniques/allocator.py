@@ -24,8 +24,11 @@ its own process, and the runner applies the settings (`prepare`, through
 compose.prepare_process) right after the plan is validated, before anything touches the GPU.
 A process in which CUDA is already initialised is refused (a notebook after an earlier run,
 or a technique whose check queried the GPU), and so is a second, different setting in the
-same process: the allocator cannot be reconfigured. Each CUDA run records the settings its
-allocator ran with (`env.allocator_settings`), so a run that inherited settings says so.
+same process: the allocator cannot be reconfigured.
+
+What a run records about its allocator (memstudy/cuda_allocator.py, docs/metrics.md): the
+settings string it was configured with and where from, and after the run the values the
+allocator itself reports, compared with that string (`allocator_verified`).
 """
 from __future__ import annotations
 
@@ -34,12 +37,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memstudy import cuda_allocator
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
 MIN_SPLIT_MB = 20  # PyTorch refuses max_split_size_mb below its 20 MiB large-block size
-_applied: str | None = None  # the settings this process's allocator was given by memstudy
 
 
 @dataclass
@@ -77,21 +80,22 @@ def check(opts: Options, plan: Plan) -> None:
     if opts.max_split_size_mb and opts.max_split_size_mb < MIN_SPLIT_MB:
         raise ConfigError(f"allocator: max_split_size_mb={opts.max_split_size_mb} must be >= "
                           f"{MIN_SPLIT_MB} (PyTorch's large-block size) or 0 (unlimited)")
-    external = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    if external:
-        raise ConfigError(f"allocator: PYTORCH_CUDA_ALLOC_CONF={external!r} is set in the "
-                          "environment and would mix with the technique's settings; unset it "
-                          "and give its options to the allocator technique")
+    for var in cuda_allocator.ENV_VARS:
+        external = os.environ.get(var)
+        if external:
+            raise ConfigError(f"allocator: {var}={external!r} is set in the environment and "
+                              "would mix with the technique's settings; unset it and give its "
+                              "options to the allocator technique")
 
 
 def _check_process(opts: Options) -> None:
     """Refuse a process whose allocator can no longer take these settings."""
-    wanted = settings(opts)
-    if _applied == wanted:
+    wanted, applied = settings(opts), cuda_allocator.applied()
+    if applied == wanted:
         return  # this process was prepared for exactly this (a distributed rank, a rerun)
-    if _applied is not None:
+    if applied is not None:
         raise ConfigError(f"allocator: this process's CUDA allocator was already given "
-                          f"{_applied!r}; it cannot be reconfigured to {wanted!r}: run it in a "
+                          f"{applied!r}; it cannot be reconfigured to {wanted!r}: run it in a "
                           "fresh process (memstudy run, a grid cell or a maxres probe)")
     if torch.cuda.is_initialized():
         raise ConfigError("allocator: CUDA is already initialised in this process (an earlier "
@@ -104,27 +108,17 @@ def prepare(opts: Options, plan: Plan) -> None:
     """Give the caching allocator these settings, in the run's own process before CUDA
     initialises (not in `check`: a grid or maxres parent validates plans whose runs get
     fresh processes)."""
-    global _applied
     _check_process(opts)
     wanted = settings(opts)
-    if _applied != wanted:
+    if cuda_allocator.applied() != wanted:
         try:
-            _set_allocator_settings(wanted)
+            cuda_allocator.configure(wanted)
         except (RuntimeError, ValueError) as exc:  # PyTorch's own refusal, named
             raise ConfigError(f"allocator: PyTorch refused {wanted!r}: {exc}") from None
-        _applied = wanted
 
 
 def apply(opts: Options, build: Build) -> None:
     build.notes["allocator"] = settings(opts)
-
-
-def _set_allocator_settings(text: str) -> None:
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
-    if setter is None:
-        torch.cuda.memory._set_allocator_settings(text)
-    else:
-        setter(text)
 
 
 register(Technique("allocator", Stage.PROCESS, Options,
