@@ -82,7 +82,7 @@ def assert_exact(tiled: dict, plain: dict, tol: float) -> None:
     (270, 200, {"levels": 2, "rows": 80}, 2),  # padded to 288 x 224; strips of 80, 80, 80, 48
     (256, 256, {"levels": 1, "tiles": 5}, 1),  # full resolution only: 128 half-res rows / 5
     (256, 256, {"levels": 2, "tiles": 3, "keep": "conv1"}, 1),  # block 3's conv1 output kept
-    (256, 256, {"levels": 3, "tiles": 3}, 1),  # layer1 and block 2 too: 32 1/8-res rows / 3
+    (128, 160, {"levels": 3, "tiles": 3}, 1),  # layer1 and block 2 too: 16 1/8-res rows / 3
     (288, 224, {"levels": 3, "rows": 96, "keep": "conv1"}, 1),  # blocks 2 and 3 conv1 kept
 ], ids=["levels2-3tiles", "levels2-rows80-odd-size-batch2", "levels1-5tiles",
         "levels2-keep-conv1", "levels3-3tiles", "levels3-rows96-keep-conv1"])
@@ -156,7 +156,7 @@ def test_training_loop_validation_tiled_equals_untiled():
     build = build_pipeline(make_plan(cfg))
     _, val_set = build_datasets(cfg.data, cfg.train.image_size, cfg.train.batch_size)
     tiled = _evaluate(build, val_set)
-    assert build.notes["val_tiling"] == "tiled: levels=2, rows=32"
+    assert build.notes["val_tiling"] == "tiled: levels=3, rows=32"
     cfg.train.val_tile_rows = 0
     plain = _evaluate(build, val_set)
     assert build.notes["val_tiling"].startswith("untiled")

@@ -1,7 +1,7 @@
 """The tiled part of the smp U-Net / ResNet-34 written once, for two readers (pure Python).
 
-A region's computation is written as a walk over named operations (`conv`, `norm`, `relu`,
-`up`, `pool`, `cat`, `add`) of an `ops` object. The tile bodies (memstudy/tiling/unet.py) walk
+A region's computation is written as a walk over named operations (`conv`, `norm` (with the
+ReLU that follows it fused when `relu=True`), `relu`, `up`, `pool`, `cat`, `add`) of an `ops` object. The tile bodies (memstudy/tiling/unet.py) walk
 it with tensors of one strip; the geometry (`Trace` below) walks the same code with row
 bookkeeping, so the halo of every region follows from exactly the operations its body runs.
 
@@ -41,11 +41,11 @@ class RegionSpec:
 def stem_walk(ops, levels: int, x):
     """x -> stem -> max-pool (-> layer1 at levels=3): the 1/4-res feature the encoder goes on
     with."""
-    p = ops.pool(ops.relu(ops.norm("bn1", ops.conv("conv1", x))))
+    p = ops.pool(ops.norm("bn1", ops.conv("conv1", x), relu=True))
     if levels < 3:
         return p
     for j in range(LAYER1_BLOCKS):  # torchvision BasicBlock without down-sampling
-        h = ops.relu(ops.norm(f"layer1.{j}.bn1", ops.conv(f"layer1.{j}.conv1", p)))
+        h = ops.norm(f"layer1.{j}.bn1", ops.conv(f"layer1.{j}.conv1", p), relu=True)
         h = ops.norm(f"layer1.{j}.bn2", ops.conv(f"layer1.{j}.conv2", h))
         p = ops.relu(ops.add(h, p))
     return p
@@ -71,15 +71,15 @@ def _conv1(ops, block: int, d, named: dict):
     d = ops.up(d)
     skip = SKIPS.get(block)
     if skip == "f1":  # the stem's feature, recomputed from the image with the stem's statistics
-        d = ops.cat(d, ops.relu(ops.norm("bn1", ops.conv("conv1", named["x"]))))
+        d = ops.cat(d, ops.norm("bn1", ops.conv("conv1", named["x"]), relu=True))
     elif skip == "l1":
         d = ops.cat(d, named["l1"])
     return ops.conv(f"block{block}.conv1", d)
 
 
 def _block_tail(ops, block: int, z):
-    d = ops.relu(ops.norm(f"block{block}.bn1", z))
-    return ops.relu(ops.norm(f"block{block}.bn2", ops.conv(f"block{block}.conv2", d)))
+    d = ops.norm(f"block{block}.bn1", z, relu=True)
+    return ops.norm(f"block{block}.bn2", ops.conv(f"block{block}.conv2", d), relu=True)
 
 
 # -- the regions of a tiling -------------------------------------------------------------------
@@ -144,7 +144,7 @@ class TraceOps:
         self._use(name)
         return t.then(STEM if name == "conv1" else CONV3)
 
-    def norm(self, name: str, t: Trace) -> Trace:
+    def norm(self, name: str, t: Trace, relu: bool = False) -> Trace:
         self.norm_paths += t.paths()
         self._use(name)
         return t

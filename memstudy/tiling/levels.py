@@ -13,7 +13,7 @@ from memstudy.tiling.geometry import halo
 
 LEVELS = (1, 2, 3)  # tiled levels implemented
 KEEP = ("none", "conv1")  # kept boundaries: region inputs/outputs only, or also decoder conv1s
-VALIDATION_LEVELS = 2  # what the tiled validation forward tiles
+VALIDATION_LEVELS = 3  # what the tiled validation forward tiles (1/4 res included: 8192 px)
 NETWORK_LEVELS = 6  # full resolution and the five down-sampled grids (1/2 .. 1/32)
 
 

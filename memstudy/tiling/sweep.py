@@ -19,8 +19,9 @@ step runs K + 1 forward sweeps and K + 1 backward sweeps of that region, and not
 other than the region's inputs and output is alive at any time.
 
 Numerics: tile statistics are merged with Chan's parallel formula in float32 (float64 for a
-float64 model); normalisation runs in that precision from the explicit statistics and casts back
-to the convolution's dtype, as cuDNN's BatchNorm does under autocast. The backward re-enters
+float64 model); normalisation (fused with the ReLU after it: memstudy/tiling/norm.py) runs in
+that precision from the explicit statistics and casts back to the convolution's dtype, as
+cuDNN's BatchNorm does under autocast. The backward re-enters
 the forward's autocast state. Running statistics are updated once per step, here, with
 PyTorch's formula (momentum, unbiased variance, num_batches_tracked); a BatchNorm in eval mode
 uses its running statistics and gets no `_Stats` at all (the exact tiled inference path).
@@ -34,9 +35,7 @@ import torch
 from torch import nn
 
 from memstudy.tiling.geometry import Path, Tile
-
-Stats = tuple[torch.Tensor, torch.Tensor]  # (mean, biased variance), one value per channel
-
+from memstudy.tiling.norm import Stats, moments, normalize
 
 @dataclass
 class Region:
@@ -65,18 +64,6 @@ class _Reached(Exception):
         self.z = z
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def normalize(z: torch.Tensor, stats: Stats, bn: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
-    dtype = compute_dtype(z.dtype)
-    mean, var = (s.to(dtype) for s in stats)
-    scale = torch.rsqrt(var + bn.eps) * bn.weight.to(dtype)
-    shift = bn.bias.to(dtype) - mean * scale
-    return (z.to(dtype) * scale[:, None, None] + shift[:, None, None]).to(z.dtype)
-
-
 class TileRun:
     """One tile's run of a region body: crops owned rows and normalises with given statistics."""
 
@@ -89,10 +76,10 @@ class TileRun:
         factor = t.shape[-2] // (q1 - q0)
         return t[..., factor * (a - q0):factor * (b - q0), :]
 
-    def norm(self, j: int, z: torch.Tensor) -> torch.Tensor:
+    def norm(self, j: int, z: torch.Tensor, relu: bool = False) -> torch.Tensor:
         if j == self.target:
             raise _Reached(self.owned(z))
-        return normalize(z, self.stats[j], self.region.norms[j])
+        return normalize(z, self.stats[j], self.region.norms[j], relu)
 
     def __call__(self, strips: list[torch.Tensor]) -> torch.Tensor:
         try:
@@ -136,9 +123,7 @@ def flatten_stats(stats: Sequence[Stats | None]) -> list[torch.Tensor | None]:
 
 def merge(acc: tuple[float, torch.Tensor, torch.Tensor] | None, z: torch.Tensor):
     """Chan et al.'s parallel update of (count, mean, M2) with one tile's owned rows."""
-    z = z.to(compute_dtype(z.dtype))
-    n = z.numel() // z.shape[1]
-    var, mean = torch.var_mean(z, dim=(0, 2, 3), correction=0)
+    n, mean, var = moments(z)
     if acc is None:
         return n, mean, var * n
     n0, mean0, m2 = acc
@@ -170,11 +155,13 @@ class _Stats(torch.autograd.Function):
         sweep, count = ctx.sweep, ctx.count
         region = sweep.region
 
+        # dL/dz = a + b * z per channel, one fused kernel (a, b from the statistics' gradients)
+        b = 2 * g_var / count
+        a = g_mean / count - b * mean
+
         def grad_of(tile: Tile, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            z = z.to(compute_dtype(z.dtype))
-            centred = z.detach() - mean[:, None, None]
-            coef = (g_mean[:, None, None] + 2 * g_var[:, None, None] * centred) / count
-            return z, coef
+            coef = torch.addcmul(a[:, None, None], z.detach(), b[:, None, None])
+            return z, coef.to(z.dtype)
 
         grads = backprop_tiles(sweep, list(saved) + region.params(), ctx.needs_input_grad[3:],
                                ctx.k, grad_of)

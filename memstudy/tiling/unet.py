@@ -101,8 +101,8 @@ class TensorOps:
     def conv(self, name: str, t: torch.Tensor) -> torch.Tensor:
         return self.modules[name](t)
 
-    def norm(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        return self.run.norm(self.norm_index[name], t)
+    def norm(self, name: str, t: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        return self.run.norm(self.norm_index[name], t, relu)
 
     def relu(self, t: torch.Tensor) -> torch.Tensor:
         return F.relu(t)

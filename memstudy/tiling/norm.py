@@ -1,0 +1,98 @@
+"""BatchNorm with given (whole-image) statistics, fused with the ReLU that follows it.
+
+The tiled regions normalise every strip with statistics that are inputs of the graph
+(memstudy/tiling/sweep.py), so nn.BatchNorm2d cannot be used, and composing the affine map and
+the ReLU from eager ops costs five elementwise kernels forward and about eight in backward, each
+reading and writing a whole strip in float32: measured, elementwise kernels were half of a tiled
+step's GPU time. `NormReLU` does it in one kernel forward (plus an in-place ReLU) and three
+backward, with PyTorch's SyncBatchNorm primitives on CUDA (torch.batch_norm_elemt,
+batch_norm_backward_reduce, batch_norm_backward_elemt: mixed bf16 / float32 inputs, float32
+arithmetic, as cuDNN's BatchNorm under autocast). On other devices the same formulas run as
+plain tensor ops in float32 (float64 for a float64 model): the reference the GPU test compares
+the CUDA path with.
+
+For y = relu((z - mean) * invstd * w + b), with dy = grad_y * (y > 0) summed over N, H, W:
+  grad_z = dy * invstd * w
+  grad_mean = -invstd * w * sum(dy)          grad_invstd = w * sum(dy * (z - mean))
+  grad_w = invstd * sum(dy * (z - mean))     grad_b = sum(dy)
+(the statistics' own dependence on z is the statistics sweep's backward, not this one's).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+Stats = tuple[torch.Tensor, torch.Tensor]  # (mean, biased variance), one value per channel
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _channel(t: torch.Tensor) -> torch.Tensor:
+    return t[:, None, None]
+
+
+class NormReLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, mean, invstd, weight, bias, relu: bool):
+        if z.is_cuda:
+            y = torch.batch_norm_elemt(z, weight, bias, mean, invstd, 0.0)
+        else:
+            dtype = compute_dtype(z.dtype)
+            y = ((z.to(dtype) - _channel(mean)) * _channel(invstd * weight)
+                 + _channel(bias)).to(z.dtype)
+        if relu:
+            y = y.relu_()
+        ctx.relu = relu
+        ctx.save_for_backward(z, mean, invstd, weight, y if relu else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        z, mean, invstd, weight, y = ctx.saved_tensors
+        dy = torch.ops.aten.threshold_backward(grad_y, y, 0) if ctx.relu else grad_y
+        if z.is_cuda:
+            dy = dy.contiguous(memory_format=_format(z))
+            sum_dy, sum_dy_xmu, grad_w, grad_b = torch.batch_norm_backward_reduce(
+                dy, z, mean, invstd, weight, True, True, True)
+            zero = torch.zeros_like(sum_dy)
+            count = torch.tensor([z.numel() // z.shape[1]], dtype=torch.int32, device=z.device)
+            grad_z = torch.batch_norm_backward_elemt(dy, z, mean, invstd, weight, zero, zero,
+                                                     count)
+        else:
+            dtype = compute_dtype(z.dtype)
+            dy32 = dy.to(dtype)
+            sum_dy = dy32.sum((0, 2, 3))
+            sum_dy_xmu = (dy32 * (z.to(dtype) - _channel(mean))).sum((0, 2, 3))
+            grad_w, grad_b = sum_dy_xmu * invstd, sum_dy
+            grad_z = (dy32 * _channel(invstd * weight)).to(z.dtype)
+        grad_mean = -invstd * weight * sum_dy
+        grad_invstd = weight * sum_dy_xmu
+        return grad_z, grad_mean, grad_invstd, grad_w, grad_b, None
+
+
+def _format(t: torch.Tensor) -> torch.memory_format:
+    nhwc = t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+    return torch.channels_last if nhwc else torch.contiguous_format
+
+
+def normalize(z: torch.Tensor, stats: Stats, bn: nn.modules.batchnorm._BatchNorm,
+              relu: bool = False) -> torch.Tensor:
+    """bn's affine normalisation of z with `stats` (then ReLU), differentiable in all of them."""
+    mean, var = (s.to(compute_dtype(z.dtype)) for s in stats)
+    invstd = torch.rsqrt(var + bn.eps)
+    weight, bias = (p.to(mean.dtype) for p in (bn.weight, bn.bias))
+    return NormReLU.apply(z, mean, invstd, weight, bias, relu)
+
+
+def moments(z: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(count, mean, biased variance) per channel of z, in z's compute dtype, in one pass on
+    CUDA (torch.batch_norm_stats reads bf16 directly) or via var_mean elsewhere."""
+    n = z.numel() // z.shape[1]
+    if z.is_cuda:
+        eps = 1e-30  # batch_norm_stats returns 1/sqrt(var + eps); var is recovered from it
+        mean, invstd = torch.batch_norm_stats(z, eps)
+        return n, mean, invstd.pow(-2) - eps
+    var, mean = torch.var_mean(z.to(compute_dtype(z.dtype)), dim=(0, 2, 3), correction=0)
+    return n, mean, var
