@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 from dataclasses import dataclass
 
 import torch
@@ -237,21 +238,38 @@ def _kernels(interpret: bool) -> dict:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def quantize_kernel(x_ptr, codes_ptr, lo_ptr, scale_ptr, n, n_groups, seed,
-                        BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
+    # Each build's kernels get their own globals. The interpreter re-executes a kernel's source
+    # in its function's globals (closures are lost there), so the helper both codec kernels
+    # call is reached through this scope; compiled kernels find it in their closure.
+    scope = {**globals(), "tl": tl, "triton": triton}
+
+    def jit(fn):
+        return triton.jit(types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
+                                             fn.__closure__))
+
+    @jit
+    def group_layout(n_groups, BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
+        """This program's ROWS groups: (rows, row_ok, idx, j, code_idx), where idx is the
+        [ROWS, GROUP // PER, PER] flat element index (group, byte within it, element within
+        the byte), j the element's place in its byte, code_idx the [ROWS, GROUP // PER] byte
+        index of the packed codes; PER = 8 // BITS elements per byte."""
         PER: tl.constexpr = 8 // BITS
-        LEVELS: tl.constexpr = (1 << BITS) - 1
-        # [ROWS, GROUP // PER, PER] flat indices: group, byte within it, element within byte
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         byte = tl.arange(0, GROUP // PER)
         j = tl.arange(0, PER)
         idx = rows.to(tl.int64)[:, None, None] * GROUP + byte[None, :, None] * PER + j[None, None, :]
+        code_idx = rows.to(tl.int64)[:, None] * (GROUP // PER) + byte[None, :]
+        return rows, rows < n_groups, idx, j, code_idx
+
+    @jit
+    def quantize_kernel(x_ptr, codes_ptr, lo_ptr, scale_ptr, n, n_groups, seed,
+                        BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        rows, row_ok, idx, j, code_idx = group_layout(n_groups, BITS, GROUP, ROWS)
         inside = idx < n
         x = tl.load(x_ptr + idx, mask=inside, other=0.0).to(tl.float32)
         lo = tl.min(tl.min(tl.where(inside, x, float("inf")), axis=2), axis=1)
         hi = tl.max(tl.max(tl.where(inside, x, float("-inf")), axis=2), axis=1)
-        row_ok = rows < n_groups
         lo = tl.where(row_ok, lo, 0.0)  # programs past the last group: no infinities
         hi = tl.where(row_ok, hi, 0.0)
         scale = tl.math.div_rn(hi - lo, LEVELS * 1.0)
@@ -262,25 +280,17 @@ def _kernels(interpret: bool) -> dict:
         code = tl.minimum(tl.maximum(tl.floor(t + u), 0.0), LEVELS * 1.0).to(tl.int32)
         code = tl.where(inside, code, 0)  # the short last group's padding packs as zeros
         packed = tl.sum(code << (j * BITS)[None, None, :], axis=2).to(tl.uint8)
-        tl.store(codes_ptr + rows.to(tl.int64)[:, None] * (GROUP // PER) + byte[None, :], packed,
-                 mask=row_ok[:, None])
+        tl.store(codes_ptr + code_idx, packed, mask=row_ok[:, None])
         tl.store(lo_ptr + rows, lo, mask=row_ok)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
 
-    @triton.jit
+    @jit
     def dequantize_kernel(codes_ptr, lo_ptr, scale_ptr, out_ptr, n, n_groups,
                           BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                           BF16: tl.constexpr):
-        PER: tl.constexpr = 8 // BITS
         LEVELS: tl.constexpr = (1 << BITS) - 1
-        # [ROWS, GROUP // PER, PER] flat indices: group, byte within it, element within byte
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        byte = tl.arange(0, GROUP // PER)
-        j = tl.arange(0, PER)
-        idx = rows.to(tl.int64)[:, None, None] * GROUP + byte[None, :, None] * PER + j[None, None, :]
-        row_ok = rows < n_groups
-        packed = tl.load(codes_ptr + rows.to(tl.int64)[:, None] * (GROUP // PER) + byte[None, :],
-                         mask=row_ok[:, None], other=0).to(tl.int32)
+        rows, row_ok, idx, j, code_idx = group_layout(n_groups, BITS, GROUP, ROWS)
+        packed = tl.load(codes_ptr + code_idx, mask=row_ok[:, None], other=0).to(tl.int32)
         level = (packed[:, :, None] >> (j * BITS)[None, None, :]) & LEVELS
         lo = tl.load(lo_ptr + rows, mask=row_ok, other=0.0)
         scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
@@ -293,7 +303,7 @@ def _kernels(interpret: bool) -> dict:
         else:
             tl.store(out_ptr + idx, x.to(out_ptr.dtype.element_ty), mask=idx < n)
 
-    @triton.jit
+    @jit
     def pack_signs_kernel(x_ptr, signs_ptr, n, BLOCK: tl.constexpr):
         byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         j = tl.arange(0, 8)
@@ -302,7 +312,7 @@ def _kernels(interpret: bool) -> dict:
         bits = (x > 0).to(tl.int32) << j[None, :]
         tl.store(signs_ptr + byte, tl.sum(bits, axis=1).to(tl.uint8), mask=byte * 8 < n)
 
-    @triton.jit
+    @jit
     def apply_signs_kernel(grad_ptr, signs_ptr, out_ptr, n, BLOCK: tl.constexpr):
         byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         j = tl.arange(0, 8)
@@ -313,11 +323,12 @@ def _kernels(interpret: bool) -> dict:
         grad = tl.load(grad_ptr + idx, mask=inside, other=0.0)
         tl.store(out_ptr + idx, tl.where(keep, grad, 0.0).to(grad.dtype), mask=inside)
 
-    @triton.jit
+    @jit
     def uniform_kernel(out_ptr, n, seed, BLOCK: tl.constexpr):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         tl.store(out_ptr + idx, tl.rand(seed, idx), mask=idx < n)
 
+    scope["group_layout"] = group_layout
     return {"quantize": quantize_kernel, "dequantize": dequantize_kernel,
             "pack_signs": pack_signs_kernel, "apply_signs": apply_signs_kernel,
             "uniform": uniform_kernel}
