@@ -23,8 +23,11 @@ Configurations (cumulative, as the paper's ablation):
 `memstudy tune benchmarks/specs/tune-triaccel.toml`). Every run: synthetic phantoms, batch 1 to start, the same epochs, a budget of 16 GiB (the
 paper's T4/P100 cards, emulated by memstudy's allocator cap), every step after one warm-up
 step measured so the peak covers the whole run. Writes triaccel.sqlite and triaccel.md
-into --out: peak memory, time per epoch, validation quality and the efficiency score
-(memstudy.triaccel.score.run_efficiency, defined in docs/triaccel.md).
+into --out: peak memory, time per epoch, validation quality, the efficiency score
+(memstudy.triaccel.score.run_efficiency, defined in docs/triaccel.md), GPU energy of the
+training loop (NVML) and the time to --target validation loss. Every row is printed and
+triaccel.md rewritten as its run ends, so a time limit leaves the rows done. Defaults: about
+3 minutes on one H100 (the stats part ~30 s, then 10 runs of 2 epochs x 8 phantoms).
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ def config(size: int, techniques: list[str], args) -> RunConfig:
     t = cfg.train
     t.image_size, t.batch_size, t.epochs, t.device, t.seed = size, 1, args.epochs, "cuda", 0
     t.warmup_steps, t.measure_steps = 1, 10_000  # every step measured: a whole-run peak
+    t.target_val_loss = args.target
     cfg.data.train_images, cfg.data.val_images = args.train_images, 2
     return cfg
 
@@ -70,7 +74,9 @@ def main() -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--train-images", type=int, default=12)
+    p.add_argument("--train-images", type=int, default=8)
+    p.add_argument("--target", type=float, default=0.4,
+                   help="train.target_val_loss (1 - MS-SSIM) for time_to_target_s")
     p.add_argument("--budget", default="16GiB")
     p.add_argument("--parts", nargs="+", choices=("stats", "ablation"), default=["stats", "ablation"])
     p.add_argument("--stats-size", type=int, default=1024)
@@ -95,12 +101,15 @@ def main() -> int:
             eff = run_efficiency(db, run_id) if rec.status == "ok" else {}
             batches = [v for _, _, n, v in rec.series if n == "batch_size"]
             share = [v for _, _, n, v in rec.series if n == "tri/curvature_share"]
+            run = {n: v for _, ph, n, v in rec.metrics if ph == "run"}
             rows.append({"size": size, "name": name, "status": rec.status, "run_id": run_id,
                          "max_batch": max(batches) if batches else None,
-                         "curvature_share": share[-1] if share else None, **eff})
-            print(f"{size} {name}: {rec.status} {eff} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    gpu = torch.cuda.get_device_name()
-    (args.out / "triaccel.md").write_text(markdown(rows, gpu, args))
+                         "curvature_share": share[-1] if share else None,
+                         "energy_j": run.get("energy_j"),
+                         "time_to_target_s": run.get("time_to_target_s"), **eff})
+            print(f"{size} {name}: {rec.status} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(row_line(rows[-1], None), flush=True)
+            (args.out / "triaccel.md").write_text(markdown(rows, torch.cuda.get_device_name(), args))
     print(f"wrote {args.out / 'triaccel.md'}")
     return 0
 
@@ -153,22 +162,29 @@ def markdown(rows: list[dict], gpu: str, args) -> str:
     lines = [f"# Tri-Accel on the U-Net ({gpu})", "",
              f"torch {torch.__version__}, budget {args.budget}, {args.epochs} epochs of "
              f"{args.train_images} synthetic phantoms, batch 1 at start. Score = Q / (T x M) x 100 "
-             "(docs/triaccel.md).", ""]
+             f"(docs/triaccel.md). Energy: NVML counter over the training loop; time to target: "
+             f"wall time until the validation loss first reached {args.target} (- never).", ""]
     for size in sorted({r["size"] for r in rows}):
         here = [r for r in rows if r["size"] == size]
         base = next((r for r in here if r["name"] == "fp32" and r.get("peak_bytes")), None)
         lines += [f"## {size} px", "",
                   "| config | status | val MS-SSIM % | time/epoch s | peak MB | memory % | "
-                  "vs fp32 | max batch | curvature share | score |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in here:
-            red = (f"{100 * (1 - r['peak_bytes'] / base['peak_bytes']):+.1f}% less"
-                   if base and r.get("peak_bytes") else "-")
-            lines.append(f"| {r['name']} | {r['status']} | {_f(r.get('quality_pct'))} | "
-                         f"{_f(r.get('time_per_epoch_s'))} | {_f(r.get('peak_bytes'), MB, 0)} | "
-                         f"{_f(r.get('memory_pct'))} | {red} | {r.get('max_batch')} | {_f(r.get('curvature_share'), 1, 3)} | {_f(r.get('score'), 1, 3)} |")
+                  "vs fp32 | max batch | curvature share | energy J | time to target s | score |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [row_line(r, base) for r in here]
         lines.append("")
     return "\n".join(lines)
+
+
+def row_line(r: dict, base: dict | None) -> str:
+    """One ablation row; `base` (the fp32 row of the size) gives the memory reduction."""
+    red = (f"{100 * (1 - r['peak_bytes'] / base['peak_bytes']):+.1f}% less"
+           if base and r.get("peak_bytes") else "-")
+    return (f"| {r['name']} | {r['status']} | {_f(r.get('quality_pct'))} | "
+            f"{_f(r.get('time_per_epoch_s'))} | {_f(r.get('peak_bytes'), MB, 0)} | "
+            f"{_f(r.get('memory_pct'))} | {red} | {r.get('max_batch')} | "
+            f"{_f(r.get('curvature_share'), 1, 3)} | {_f(r.get('energy_j'), 1, 0)} | "
+            f"{_f(r.get('time_to_target_s'), 1, 1)} | {_f(r.get('score'), 1, 3)} |")
 
 
 def _f(v, div: float = 1, nd: int = 2) -> str:
