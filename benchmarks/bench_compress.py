@@ -4,6 +4,8 @@
     python benchmarks/bench_compress.py --part kernels --out results/compress
     python benchmarks/bench_compress.py --part offload --sizes 4160 --out results/compress
     python benchmarks/bench_compress.py --part quality --out results/compress
+    python benchmarks/bench_compress.py --part breakdown --sizes 2048 --out results/compress
+    python benchmarks/bench_compress.py --part breakdown --sizes 256 --device cpu --out /tmp/c
 
 Parts (each run is `memstudy.runner.execute` of one configuration, recorded in
 --out/compress.sqlite; each part writes --out/compress-<part>.md and .json):
@@ -18,6 +20,9 @@ Parts (each run is `memstudy.runner.execute` of one configuration, recorded in
   the same set without offload: the time offload adds and how much of it prefetching hides.
 - quality: equal training (--steps steps at --quality-size px, then validation) uncompressed
   and at 8 / 4 / 2 bits: validation loss (1 - MS-SSIM), SSIM, PSNR.
+- breakdown (GPU or --device cpu): one forward per size and set with compress at 4 bits, the
+  saved bytes before / after by kind (`Compressor.tally_by_kind`: quantized, ReLU masks,
+  max-pool offsets, kept as they are and why): what limits the ratio.
 """
 from __future__ import annotations
 
@@ -37,10 +42,10 @@ BITS = (8, 4, 2)
 
 
 def config(size: int, techniques: list[str], steps: int, validate: bool = False,
-           warmup: int = 2, measure: int = 2) -> RunConfig:
+           warmup: int = 2, measure: int = 2, device: str = "cuda") -> RunConfig:
     cfg = RunConfig(techniques=techniques, label="bench_compress")
     t = cfg.train
-    t.image_size, t.device, t.validate = size, "cuda", validate
+    t.image_size, t.device, t.validate = size, device, validate
     t.warmup_steps, t.measure_steps, t.max_steps = warmup, measure, steps
     t.epochs = 1
     cfg.data.train_images, cfg.data.val_images = steps, (4 if validate else 1)
@@ -93,8 +98,9 @@ def part_memory(db: ResultsDB, sizes: list[int], steps: int, bases: list[list[st
     for size in sizes:
         for base in bases:
             variants = [base] + [base + [f"compress:bits={b}"] for b in BITS]
-            if "checkpoint" in base:
-                variants.append(base + ["compress:bits=4:which=boundaries"])
+            if "checkpoint" in base:  # region inputs at 4 bits too (default 8), and only them
+                variants += [base + ["compress:bits=4:boundary_bits=4"],
+                             base + ["compress:bits=4:which=boundaries"]]
             for techniques in variants:
                 r = run(db, config(size, techniques, steps))
                 r["size"] = size
@@ -191,10 +197,48 @@ def part_quality(db: ResultsDB, size: int, steps: int) -> tuple[list[str], list[
     return lines, rows
 
 
+BREAKDOWN_SETS = ("original", "amp:bf16", "checkpoint", "amp:bf16+checkpoint")
+
+
+def part_breakdown(sizes: list[int], device: str) -> tuple[list[str], list[dict]]:
+    from memstudy.techniques.compose import build_pipeline, make_plan
+    lines = ["One training forward (batch of train.batch_size, random images) with "
+             "`compress:bits=4:grad_probe=false` added to each set; bytes saved for backward "
+             "by kind.\n", "| size | set | kind | before MiB | after MiB | share of after | "
+             "ratio |", "|---|---|---|---|---|---|---|"]
+    rows = []
+    for size in sizes:
+        for base in parse_bases(",".join(BREAKDOWN_SETS)):
+            cfg = config(size, base + ["compress:bits=4:grad_probe=false"], 1, device=device)
+            build = build_pipeline(make_plan(cfg))
+            compressor = build.notes["compress"].compressor
+            gen = torch.Generator().manual_seed(0)
+            x, y = (torch.rand(cfg.train.batch_size, 1, size, size, generator=gen).to(build.device)
+                    for _ in range(2))
+            loss = build.runtime.forward(build.model, x, y)
+            kinds = compressor.tally_by_kind()
+            build.runtime.backward(loss)
+            del loss, build
+            before, after = (sum(v[i] for v in kinds.values()) for i in (0, 1))
+            name = "+".join(base) or "original"
+            for kind, (b, a) in sorted(kinds.items(), key=lambda kv: -kv[1][1]) + [
+                    ("all", (before, after))]:
+                rows.append({"size": size, "set": name, "kind": kind, "before_bytes": b,
+                             "after_bytes": a})
+                lines.append(f"| {size} | {name} | {kind} | {_mib(b)} | {_mib(a)} | "
+                             f"{_num(a / after, '{:.1%}')} | {_num(b / a if a else None, '{:.2f}')} |")
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return lines, rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--part", required=True, choices=("memory", "kernels", "offload", "quality"))
+    p.add_argument("--part", required=True,
+                   choices=("memory", "kernels", "offload", "quality", "breakdown"))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="breakdown only: the CPU runs the PyTorch references")
     p.add_argument("--sizes", default="2048,4160", help="image sizes (memory, offload parts)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per memory/offload run")
     p.add_argument("--bases", default="original,checkpoint,amp:bf16+checkpoint,amp:bf16+tile",
@@ -203,8 +247,8 @@ def main() -> int:
     p.add_argument("--quality-steps", type=int, default=24)
     p.add_argument("--numel", type=int, default=64 * 2048 * 2048, help="kernel benchmark size")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_compress needs a CUDA GPU")
+    if not torch.cuda.is_available() and not (args.part == "breakdown" and args.device == "cpu"):
+        sys.exit("bench_compress needs a CUDA GPU (the breakdown part also runs with --device cpu)")
     args.out.mkdir(parents=True, exist_ok=True)
     db = ResultsDB(str(args.out / "compress.sqlite"))
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -214,9 +258,11 @@ def main() -> int:
         lines, rows = part_kernels(args.numel)
     elif args.part == "offload":
         lines, rows = part_offload(db, sizes, args.steps)
+    elif args.part == "breakdown":
+        lines, rows = part_breakdown(sizes, args.device)
     else:
         lines, rows = part_quality(db, args.quality_size, args.quality_steps)
-    gpu = torch.cuda.get_device_name(0)
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     text = "\n".join([f"## compress / offload: {args.part} ({gpu}, torch {torch.__version__})\n",
                       *lines, ""])
     (args.out / f"compress-{args.part}.md").write_text(text)

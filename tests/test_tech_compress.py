@@ -224,6 +224,13 @@ def test_tally_counts_what_is_saved_before_and_after(model_x_plain):
     assert after == sum(kept.values())
     # 4 bits + 0.25 per element, +1 bit on ReLU outputs, 4 bits per max-pool index
     assert before / after > 7, before / after  # measured 7.35 (6.3 with int64 indices)
+    kinds = comp.tally_by_kind()
+    assert sum(b for b, _ in kinds.values()) == before and sum(a for _, a in kinds.values()) == after
+    pooled = 64 * 24 * 24  # the stem's max-pool output at 96 px: int64 indices -> 4 bits each
+    assert kinds["max-pool offsets"] == (8 * pooled, pooled // 2)
+    quantized_before, quantized_after = kinds["quantized 4 bits"]
+    assert quantized_after == pytest.approx(quantized_before * 4.25 / 32, rel=0.01)
+    assert set(kinds) == {"quantized 4 bits", "relu masks", "max-pool offsets", "kept: small"}
 
 
 # -- the harness: a measured step at 192 px --------------------------------------------------

@@ -137,6 +137,19 @@ class SavedStorage:
     replaced: bool = False  # a ReLU output whose sign mask was saved instead
     mask: bool = False  # this storage is a sign mask (it does not exist without compress)
     stands_for: int = 0  # a mask or offsets saved instead of this many bytes (freed at once)
+    kept: str = ""  # why it was saved as it is: loss, small, not a boundary, or its dtype
+    bits: int = 0  # of its compressed form
+
+    @property
+    def kind(self) -> str:
+        """Its line in the breakdown (`Compressor.tally_by_kind`)."""
+        if self.mask:
+            return "max-pool offsets" if self.stands_for else "relu masks"
+        if self.compressed:
+            return f"quantized {self.bits} bits"
+        if self.replaced:  # an output only its ReLU mask stands for
+            return "relu masks"
+        return f"kept: {self.kept}"
 
     @property
     def before(self) -> int:
@@ -187,28 +200,40 @@ class Compressor:
         # storage address -> SavedStorage; a storage freed during the forward (compressed, then
         # dropped) can hand its address to a new one, so entries are checked by weak reference
         self._tally: dict[tuple[str, int], SavedStorage] = {}
-        self._closed = [0, 0]  # (before, after) of entries whose storage was freed
+        # kind -> [before, after] of entries whose storage was freed
+        self._closed: dict[str, list[int]] = {}
 
     def tally(self) -> tuple[int, int]:
         """(saved bytes without compression, saved bytes with it) of the current forward."""
-        entries = list(self._tally.values())
-        return (self._closed[0] + sum(e.before for e in entries),
-                self._closed[1] + sum(e.after for e in entries))
+        kinds = self.tally_by_kind().values()
+        return sum(b for b, _ in kinds), sum(a for _, a in kinds)
+
+    def tally_by_kind(self) -> dict[str, tuple[int, int]]:
+        """tally() by what the bytes are: quantized (per width), relu masks, max-pool offsets, and
+        `kept: <why>` (loss, small, not a boundary, or a dtype that is not quantised)."""
+        kinds = {kind: list(sums) for kind, sums in self._closed.items()}
+        for entry in self._tally.values():
+            sums = kinds.setdefault(entry.kind, [0, 0])
+            sums[0] += entry.before
+            sums[1] += entry.after
+        return {kind: (b, a) for kind, (b, a) in kinds.items() if b or a}
 
     def _entry(self, storage: torch.UntypedStorage) -> "SavedStorage":
         key = (str(storage.device), storage.data_ptr())
         entry = self._tally.get(key)
         if entry is not None and entry.storage() is not storage:  # the address was reused
-            self._closed[0] += entry.before  # (evaluated now its storage is gone)
-            self._closed[1] += entry.after
+            closed = self._closed.setdefault(entry.kind, [0, 0])
+            closed[0] += entry.before  # (evaluated now its storage is gone)
+            closed[1] += entry.after
             entry = None
         if entry is None:
             entry = self._tally[key] = SavedStorage(weakref.ref(storage), storage.nbytes())
         return entry
 
-    def _count_plain(self, t: torch.Tensor) -> None:
+    def _count_plain(self, t: torch.Tensor, why: str) -> None:
         entry = self._entry(t.untyped_storage())
         entry.plain = True
+        entry.kept = entry.kept or why
 
     @contextlib.contextmanager
     def paused(self):
@@ -222,7 +247,7 @@ class Compressor:
         if not isinstance(t, torch.Tensor) or _is_parameter(t):
             return t
         if not self.active:  # the loss: saved as it is, and counted as such
-            self._count_plain(t)
+            self._count_plain(t, "loss")
             return t
         stands_for = getattr(t, POOL_OFFSETS, None)
         if stands_for is not None:  # max-pool window offsets, saved instead of int64 indices
@@ -239,24 +264,29 @@ class Compressor:
         known = self._packed.get(id(t))
         if known is not None and known[0]() is t and known[1] == t._version:
             return t if known[2] is None else known[2]
-        if not self._compressible(t):
-            self._count_plain(t)
+        why_kept = self._kept_because(t)
+        if why_kept:
+            self._count_plain(t, why_kept)
             packed = t
         else:
             packed = self.quantize(t)
             if is_boundary(t):
                 setattr(packed, BOUNDARY, True)  # offload which=boundaries moves it too
-            self._entry(t.untyped_storage()).compressed += packed.nbytes
+            entry = self._entry(t.untyped_storage())
+            entry.compressed, entry.bits = entry.compressed + packed.nbytes, packed.bits
         key = id(t)
         # None for "kept as it is": holding t itself here would keep it alive for good
         self._packed[key] = (weakref.ref(t, lambda _r, k=key: self._packed.pop(k, None)),
                              t._version, None if packed is t else packed)
         return packed
 
-    def _compressible(self, t: torch.Tensor) -> bool:
-        if t.dtype not in qk.FLOAT_DTYPES or t.numel() < self.min_numel:
-            return False
-        return is_boundary(t) or not self.boundaries_only
+    def _kept_because(self, t: torch.Tensor) -> str:
+        """Why t is saved as it is ("" if it is quantised)."""
+        if t.dtype not in qk.FLOAT_DTYPES:
+            return str(t.dtype).replace("torch.", "")
+        if t.numel() < self.min_numel:
+            return "small"
+        return "not a boundary" if self.boundaries_only and not is_boundary(t) else ""
 
     def unpack(self, packed: Any) -> Any:
         return self.dequantize(packed) if isinstance(packed, Quantized) else packed
