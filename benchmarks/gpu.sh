@@ -3,11 +3,11 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [allocator] [lowrank] [accumulate] [tune-triaccel] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [compress] [compress-4160] [compress-kernels] [compress-offload] [compress-quality]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [allocator] [lowrank] [accumulate] [tune-triaccel] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
-# OVERHEAD_ARGS / COMPILE_ARGS / ALLOCATOR_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS (e.g. "--sizes 2048")
+# OVERHEAD_ARGS / COMPILE_ARGS / ALLOCATOR_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS (e.g. "--sizes 2048")
 # replace a benchmark's arguments. Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +63,8 @@ for item in $STEPS; do
         ladder) $PY benchmarks/bench_ladder.py --part ladder --out "$RES" ${LADDER_ARGS:---budgets 4GiB --sets amp:bf16,checkpoint,offload,tile:16} 2>&1 | tee -a "$RES/ladder.log" ;;
         tile-sweeps) $PY benchmarks/bench_tile_sweeps.py --out "$RES" ${TILESWEEPS_ARGS:---size 4188 --tiles 8,16 --profile} 2>&1 | tee -a "$RES/tile-sweeps.log" ;;
         tile-native) $PY benchmarks/bench_ladder.py --part native --out "$RES" ${TILENATIVE_ARGS:-} 2>&1 | tee -a "$RES/ladder.log" ;;
-        compress) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS_ARGS:---sizes 2048 --bases original,checkpoint,amp:bf16+checkpoint} 2>&1 | tee -a "$RES/compress.log" ;;
+        compress) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS_ARGS:---sizes 2048 --bases original,amp:bf16+checkpoint} 2>&1 | tee -a "$RES/compress.log" ;;
+        compress-breakdown) $PY benchmarks/bench_compress.py --part breakdown --out "$RES/compress" ${COMPRESSBREAKDOWN_ARGS:---sizes 2048} 2>&1 | tee -a "$RES/compress.log" ;;
         compress-4160) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS4160_ARGS:---sizes 4160 --bases amp:bf16+checkpoint,amp:bf16+tile} 2>&1 | tee -a "$RES/compress.log" ;;
         compress-kernels) $PY benchmarks/bench_compress.py --part kernels --out "$RES/compress" 2>&1 | tee -a "$RES/compress.log" ;;
         compress-offload) $PY benchmarks/bench_compress.py --part offload --out "$RES/compress" ${COMPRESSOFFLOAD_ARGS:---sizes 4160} 2>&1 | tee -a "$RES/compress.log" ;;
