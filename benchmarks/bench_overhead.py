@@ -1,28 +1,41 @@
 """memstudy's plain training step against a minimal hand-written loop, same GPU, same process.
 
-    python benchmarks/bench_overhead.py --out benchmarks/results/h100
-    python benchmarks/bench_overhead.py --out /tmp/ov --sizes 2048 --sets original,amp:bf16
+    python benchmarks/bench_overhead.py --out benchmarks/results/h100/overhead
+    python benchmarks/bench_overhead.py --out /tmp/ov --plan "2048=original,amp:bf16;4160=amp:bf16"
 
 For each technique set (original, amp:bf16, amp:bf16+checkpoint) and size (2048, 4160 px):
 - the loop: written below with segmentation-models-pytorch, pytorch-msssim and torch only
-  (no memstudy code on its path): U-Net/ResNet-34 (1 channel in and out, sigmoid), Adam
+  (no memstudy code on its timed path): U-Net/ResNet-34 (1 channel in and out, sigmoid), Adam
   (lr 1e-3), loss 1 - MS-SSIM (5 scales, 11 px window, float32 outside autocast),
   channels_last weights and inputs, cudnn.benchmark on, TF32 off (float32 "original"),
   bf16 autocast for amp:bf16, non-reentrant torch.utils.checkpoint around every residual
-  and decoder block for checkpoint (what `checkpoint:block` places);
+  and decoder block for checkpoint (what `checkpoint:block` places) with torch's defaults
+  (what a user writes: RNG state stashed per region, metadata check on; BatchNorm running
+  statistics then move twice per step, which torch does nothing about);
+- for checkpoint sets, the same loop "lean": `preserve_rng_state=False,
+  determinism_check="none"` (what memstudy passes for the dropout-free U-Net), to show how
+  much of the step the per-region host work costs on this GPU;
 - memstudy: `memstudy.runner.execute` of the same configuration (its defaults on CUDA:
   channels_last and cudnn.benchmark on; train.loss_chunk_rows = 0, so the loss is
   pytorch-msssim's, as in the loop), whose `step_time_s` is the median plain step.
-Both time a step the same way: warm-up steps excluded, `torch.cuda.synchronize()` before and
-after, the step being forward + loss, backward, optimizer step, zero_grad and `loss.item()`
-(batch preparation is outside the timed step in both). The ratio memstudy / loop is the
-harness's overhead on what a user gets for free (target: within 2%). Writes overhead.md and
-overhead.json into --out.
+Both train on the same input: the first training phantom of memstudy's synthetic data set at
+that size (generated once, kept in $MEMSTUDY_CACHE or <out>/phantoms, read by the loop before
+timing), one image, batch 1. Both time a step the same way: warm-up steps excluded,
+`torch.cuda.synchronize()` before and after, the step being forward + loss, backward,
+optimizer step, zero_grad and `loss.item()` (batch preparation is outside the timed step in
+both). The ratio memstudy / loop is the harness's overhead on what a user gets for free
+(target: within 2%). Rows are printed, and overhead.md / overhead.json rewritten, as each
+finishes, so a run cut by a time limit keeps what it measured.
+
+Per-size sets: --plan "2048=original,amp:bf16,amp:bf16+checkpoint;4160=amp:bf16+checkpoint"
+(default: every set at --sizes). On one H100: about 10-20 s per row at 2048 px and 20-40 s at
+4160 px (float32 the slowest), plus the one-time phantom generation per size.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,17 +48,19 @@ MSSSIM_WEIGHTS = (0.0448, 0.2856, 0.3001, 0.2363, 0.1333)
 
 
 # -- the hand-written loop: torch, segmentation-models-pytorch and pytorch-msssim only ------
-def loop_model(checkpoint: bool) -> torch.nn.Module:
+def loop_model(checkpoint: bool, lean: bool = False) -> torch.nn.Module:
     import segmentation_models_pytorch as smp
     from torch.utils.checkpoint import checkpoint as ckpt
 
     torch.manual_seed(0)
     model = smp.Unet("resnet34", encoder_weights=None, in_channels=1, classes=1, activation="sigmoid")
     if checkpoint:
+        extra = {"preserve_rng_state": False, "determinism_check": "none"} if lean else {}
         blocks = [b for layer in (model.encoder.layer1, model.encoder.layer2, model.encoder.layer3,
                                   model.encoder.layer4) for b in layer] + list(model.decoder.blocks)
         for block in blocks:
-            block.forward = (lambda f: lambda *a, **k: ckpt(f, *a, use_reentrant=False, **k))(block.forward)
+            block.forward = (lambda f: lambda *a, **k: ckpt(f, *a, use_reentrant=False, **extra,
+                                                            **k))(block.forward)
     return model.cuda().to(memory_format=torch.channels_last)
 
 
@@ -57,15 +72,14 @@ def loop_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return 1 - ms_ssim(out.float(), target.float(), data_range=1.0, win_size=11, weights=weights)
 
 
-def time_loop(size: int, techniques: list[str], warmup: int, steps: int) -> dict:
+def time_loop(pair: tuple[torch.Tensor, torch.Tensor], techniques: list[str], warmup: int,
+              steps: int, lean: bool = False) -> dict:
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    model = loop_model("checkpoint" in techniques)
+    model = loop_model("checkpoint" in techniques, lean)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     autocast = "amp:bf16" in techniques
-    gen = torch.Generator().manual_seed(0)
-    x = torch.rand(1, 1, size, size, generator=gen).cuda().contiguous(memory_format=torch.channels_last)
-    y = torch.rand(1, 1, size, size, generator=gen).cuda().contiguous(memory_format=torch.channels_last)
+    x, y = (t.cuda().contiguous(memory_format=torch.channels_last) for t in pair)
     times = []
     for i in range(warmup + steps):
         if i == warmup:
@@ -89,17 +103,36 @@ def time_loop(size: int, techniques: list[str], warmup: int, steps: int) -> dict
 
 
 # -- memstudy -------------------------------------------------------------------------------
-def time_memstudy(size: int, techniques: list[str], warmup: int, steps: int) -> dict:
+def memstudy_config(size: int, techniques: list[str], cache_dir: str):
     from memstudy.config import RunConfig
-    from memstudy.runner import execute
 
     cfg = RunConfig(techniques=list(techniques))
     cfg.train.device, cfg.train.image_size, cfg.train.validate = "cuda", size, False
-    cfg.train.warmup_steps, cfg.train.measure_steps = warmup, 1
-    cfg.train.max_steps = warmup + 1 + steps
-    cfg.data.train_images, cfg.data.val_images = 4, 1  # phantoms are reused over epochs
+    cfg.data.train_images, cfg.data.val_images = 1, 1  # one phantom, reused every step
+    cfg.data.cache_dir = cache_dir
     if hasattr(cfg.train, "loss_chunk_rows"):  # the loop's loss: pytorch-msssim's own autograd
         cfg.train.loss_chunk_rows = 0
+    return cfg
+
+
+def training_pair(size: int, cache_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """memstudy's first training image and target at `size` (batch of one, on the host): the
+    input both sides train on. Generated once per size and kept in `cache_dir`."""
+    from memstudy.datasets import build_datasets
+    from memstudy.quality import min_image_size
+
+    cfg = memstudy_config(size, [], cache_dir)
+    train_set, _ = build_datasets(cfg.data, size, 1, min_image_size(cfg.train.msssim_scales))
+    x, y = train_set[0]
+    return x[None], y[None]
+
+
+def time_memstudy(size: int, techniques: list[str], warmup: int, steps: int, cache_dir: str) -> dict:
+    from memstudy.runner import execute
+
+    cfg = memstudy_config(size, techniques, cache_dir)
+    cfg.train.warmup_steps, cfg.train.measure_steps = warmup, 1
+    cfg.train.max_steps = warmup + 1 + steps
     cfg.train.epochs = cfg.train.max_steps
     rec = execute(cfg, db=None)
     if rec.status != "ok":
@@ -112,21 +145,55 @@ def time_memstudy(size: int, techniques: list[str], warmup: int, steps: int) -> 
             "cudnn_benchmark": rec.config["train"]["cudnn_benchmark"]}
 
 
-def markdown(rows: list[dict], gpu: str) -> str:
+def markdown(rows: list[dict], gpu: str, complete: bool) -> str:
     lines = [f"# memstudy's plain step vs a hand-written loop ({gpu})", "",
-             f"torch {torch.__version__}, CUDA {torch.version.cuda}; batch 1; median of the timed "
-             "steps after warm-up, synchronised (benchmarks/bench_overhead.py). Ratio = memstudy / "
-             "loop (target <= 1.02).", "",
-             "| set | px | loop step ms | memstudy step ms | ratio | memstudy measured-step ms | "
-             "loop peak MB | memstudy peak MB |", "|---|---|---|---|---|---|---|---|"]
+             f"torch {torch.__version__}, CUDA {torch.version.cuda}; batch 1, the same phantom on "
+             "both sides; median of the timed steps after warm-up, synchronised "
+             "(benchmarks/bench_overhead.py). Ratio = memstudy / loop (target <= 1.02). "
+             "Lean loop: checkpoint with preserve_rng_state=False, determinism_check='none'."
+             + ("" if complete else " **Incomplete: cut before every row ran.**"), "",
+             "| set | px | loop step ms | lean loop ms | memstudy step ms | ratio | "
+             "memstudy measured-step ms | loop peak MB | memstudy peak MB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m, lp = r["memstudy"], r["loop"]
+        lean = f"{r['lean']['step_time_s'] * 1e3:.1f}" if r.get("lean") else "-"
         metered = f"{m['metered_step_time_s'] * 1e3:.1f}" if m.get("metered_step_time_s") else "-"
         mpeak = f"{m['peak_alloc_bytes'] / 2**20:.0f}" if m.get("peak_alloc_bytes") else "-"
-        lines.append(f"| {r['set']} | {r['size']} | {lp['step_time_s'] * 1e3:.1f} | "
+        lines.append(f"| {r['set']} | {r['size']} | {lp['step_time_s'] * 1e3:.1f} | {lean} | "
                      f"{m['step_time_s'] * 1e3:.1f} | {r['ratio']:.3f} | {metered} | "
                      f"{lp['peak_alloc_bytes'] / 2**20:.0f} | {mpeak} |")
     return "\n".join(lines) + "\n"
+
+
+def parse_plan(plan: str | None, sizes: str, sets: str) -> list[tuple[int, list[str]]]:
+    """[(size, [set, ...]), ...] from --plan "2048=a,b;4160=c", else every set at every size."""
+    if not plan:
+        return [(int(size), sets.split(",")) for size in sizes.split(",")]
+    pairs = []
+    for part in plan.split(";"):
+        size, _, names = part.partition("=")
+        pairs.append((int(size), names.split(",")))
+    return pairs
+
+
+def write(out: Path, rows: list[dict], complete: bool) -> str:
+    gpu = torch.cuda.get_device_name(0)
+    (out / "overhead.json").write_text(json.dumps({"gpu": gpu, "torch": torch.__version__,
+                                                   "complete": complete, "rows": rows}, indent=1))
+    text = markdown(rows, gpu, complete)
+    (out / "overhead.md").write_text(text)
+    return text
+
+
+def measure_row(name: str, size: int, pair, args, cache_dir: str) -> dict:
+    techniques = SETS[name]
+    loop = time_loop(pair, techniques, args.warmup, args.steps)
+    lean = (time_loop(pair, techniques, args.warmup, args.steps, lean=True)
+            if "checkpoint" in techniques else None)
+    ours = time_memstudy(size, techniques, args.warmup, args.steps, cache_dir)
+    return {"set": name, "size": size, "loop": loop, "lean": lean, "memstudy": ours,
+            "ratio": ours["step_time_s"] / loop["step_time_s"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,30 +201,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--sizes", default="2048,4160")
     p.add_argument("--sets", default=",".join(SETS), help=f"comma-separated among {list(SETS)}")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    p.add_argument("--plan", help='per-size sets, e.g. "2048=original,amp:bf16;4160=amp:bf16" '
+                                  "(replaces --sizes / --sets)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per side (the first "
+                                                         "autotunes cuDNN)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per side")
     args = p.parse_args(argv)
+    plan = parse_plan(args.plan, args.sizes, args.sets)
+    unknown = sorted({n for _, names in plan for n in names} - set(SETS))
+    if unknown:
+        p.error(f"unknown set(s) {unknown}; choose among {list(SETS)}")
     if not torch.cuda.is_available():
         print("bench_overhead needs a CUDA GPU", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for size in (int(s) for s in args.sizes.split(",")):
-        for name in args.sets.split(","):
-            techniques = SETS[name]
-            loop = time_loop(size, techniques, args.warmup, args.steps)
-            ours = time_memstudy(size, techniques, args.warmup, args.steps)
-            rows.append({"set": name, "size": size, "loop": loop, "memstudy": ours,
-                         "ratio": ours["step_time_s"] / loop["step_time_s"]})
-            print(f"{name} {size} px: loop {loop['step_time_s'] * 1e3:.1f} ms, memstudy "
-                  f"{ours['step_time_s'] * 1e3:.1f} ms, ratio {rows[-1]['ratio']:.3f}", flush=True)
-    gpu = torch.cuda.get_device_name(0)
-    (out / "overhead.json").write_text(json.dumps({"gpu": gpu, "torch": torch.__version__,
-                                                   "rows": rows}, indent=1))
-    text = markdown(rows, gpu)
-    (out / "overhead.md").write_text(text)
-    print(text)
+    cache_dir = os.environ.get("MEMSTUDY_CACHE") or str(out / "phantoms")
+    rows: list[dict] = []
+    try:
+        for size, names in plan:
+            t0 = time.perf_counter()
+            pair = training_pair(size, cache_dir)
+            print(f"{size} px: input ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+            for name in names:
+                t0 = time.perf_counter()
+                rows.append(measure_row(name, size, pair, args, cache_dir))
+                r = rows[-1]
+                lean = f", lean loop {r['lean']['step_time_s'] * 1e3:.1f} ms" if r["lean"] else ""
+                print(f"{name} {size} px: loop {r['loop']['step_time_s'] * 1e3:.1f} ms{lean}, "
+                      f"memstudy {r['memstudy']['step_time_s'] * 1e3:.1f} ms, ratio "
+                      f"{r['ratio']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+                write(out, rows, complete=False)
+    except KeyboardInterrupt:  # gpu.sh's time limit (SIGINT): keep the rows measured so far
+        print(f"cut after {len(rows)} row(s)", flush=True)
+        write(out, rows, complete=False)
+        return 1
+    print(write(out, rows, complete=True))
     return 0
 
 
