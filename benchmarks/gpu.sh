@@ -3,11 +3,11 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [allocator] [lowrank] [accumulate] [tune-triaccel] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
-# OVERHEAD_ARGS / COMPILE_ARGS / ALLOCATOR_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS (e.g. "--sizes 2048")
+# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS (e.g. "--sizes 2048")
 # replace a benchmark's arguments. Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,7 +53,9 @@ for item in $STEPS; do
         distributed) $PY benchmarks/bench_distributed.py --out "$RES/distributed" ${DIST_ARGS:-} 2>&1 | tee "$RES/distributed.log" ;;
         overhead) $PY benchmarks/bench_overhead.py --out "$RES/overhead" ${OVERHEAD_ARGS:-} 2>&1 | tee "$RES/overhead.log" ;;
         compile) $PY benchmarks/bench_compile.py --out "$RES/compile" --part compile ${COMPILE_ARGS:---sizes 2048} 2>&1 | tee -a "$RES/compile.log" ;;
-        allocator) $PY benchmarks/bench_compile.py --out "$RES/compile" --part allocator ${ALLOCATOR_ARGS:-} 2>&1 | tee -a "$RES/allocator.log" ;;
+        compile-4160) $PY benchmarks/bench_compile.py --out "$RES/compile" --part compile ${COMPILE4160_ARGS:---sizes 4160} 2>&1 | tee -a "$RES/compile.log" ;;
+        allocator) $PY benchmarks/bench_compile.py --out "$RES/compile" --part allocator ${ALLOCATOR_ARGS:---sizes 2048} 2>&1 | tee -a "$RES/allocator.log" ;;
+        allocator-4160) $PY benchmarks/bench_compile.py --out "$RES/compile" --part allocator ${ALLOCATOR4160_ARGS:---sizes 4160} 2>&1 | tee -a "$RES/allocator.log" ;;
         native) $PY benchmarks/bench_native.py --out "$RES/native" 2>&1 | tee "$RES/native.log" ;;
         lowrank) $PY benchmarks/bench_lowrank.py --out "$RES/lowrank" ${LOWRANK_ARGS:-} 2>&1 | tee "$RES/lowrank.log" ;;
         daso) $PY benchmarks/bench_daso_ab.py --out "$RES/daso" ${DASO_ARGS:-} 2>&1 | tee "$RES/daso.log" ;;  # needs 2 GPUs
