@@ -233,7 +233,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from memstudy.tune import load_spec, run_tune
+    from memstudy.tune import load_spec
+    from memstudy.tune_propulate import run_tune
 
     spec = load_spec(args.spec)  # refuses a bad spec before any trial runs
     if args.check:

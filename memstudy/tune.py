@@ -34,8 +34,8 @@ Resumable: a trial whose resolved config hash is already in the database is not 
 recorded figures give the fitness; Propulate's own population checkpoint (default: beside the
 database, `<db>.propulate/`) lets a restarted search go on from its last generation. Islands:
 one Propulate worker per MPI rank (`mpirun -n N memstudy tune ...`); rank r trains on GPU
-r mod (visible GPUs). The Propulate driver is memstudy/tune_propulate.py; this module needs
-neither Propulate nor MPI.
+r mod (visible GPUs). The Propulate driver (`run_tune`) is memstudy/tune_propulate.py; this
+module needs neither Propulate nor MPI.
 """
 from __future__ import annotations
 
@@ -309,10 +309,3 @@ class Trials:
     def _say(self, line: str) -> None:
         if self.progress:
             self.progress(line)
-
-
-def run_tune(spec: TuneSpec, db, progress: Callable[[str], None] | None = None) -> Trials:
-    """The search itself (Propulate over the MPI world): memstudy/tune_propulate.py."""
-    from memstudy.tune_propulate import run_propulate
-
-    return run_propulate(spec, db, progress)

@@ -66,7 +66,7 @@ def checkpoint_dir(spec: TuneSpec, db) -> str:
     return spec.checkpoint or f"{db.path}.propulate"
 
 
-def run_propulate(spec: TuneSpec, db, progress: Callable[[str], None] | None = None) -> Trials:
+def run_tune(spec: TuneSpec, db, progress: Callable[[str], None] | None = None) -> Trials:
     """Propulate over the MPI world: one worker per rank, `spec.islands` islands."""
     try:
         from mpi4py import MPI
