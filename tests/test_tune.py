@@ -234,3 +234,16 @@ def test_the_shipped_triaccel_search_is_valid_apart_from_its_gpu():
         "tri_accel.tau_low", "tri_accel.tau_high", "tri_accel.tau_curv"}
     assert all(isinstance(d, LogRange) for d in spec.space.values())
     assert spec.space["tri_accel.tau_low"][1] <= spec.space["tri_accel.tau_high"][0]
+
+
+def test_cli_best_reads_a_recorded_search_and_refuses_a_missing_database(tmp_path, capsys):
+    from memstudy.cli import main
+
+    spec = tmp_path / "spec.toml"
+    spec.write_text(_SPEC.format(generations=2))
+    missing = tmp_path / "none.sqlite"
+    assert main(["--db", str(missing), "tune", str(spec), "--best", "3"]) == 2
+    assert "existing --db" in capsys.readouterr().err and not missing.exists()
+    ResultsDB(tmp_path / "empty.sqlite")
+    assert main(["--db", str(tmp_path / "empty.sqlite"), "tune", str(spec), "--best", "3"]) == 0
+    assert "no recorded trial of this spec" in capsys.readouterr().out
