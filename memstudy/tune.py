@@ -141,9 +141,14 @@ def check_spec(spec: TuneSpec) -> None:
     if not spec.space:
         raise ConfigError("tune spec: [space] is empty; give at least one setting to search, "
                           "e.g. \"train.lr\" = [1e-4, 1e-2]")
-    for name in ("generations", "pop_size", "islands"):
-        if getattr(spec, name) < 1:
-            raise ConfigError(f"tune spec: [search] {name} must be >= 1 (got {getattr(spec, name)})")
+    for name in ("generations", "pop_size", "islands", "seed"):
+        value = getattr(spec, name)
+        if not isinstance(value, int) or isinstance(value, bool) or (name != "seed" and value < 1):
+            raise ConfigError(f"tune spec: [search] {name} must be an integer"
+                              f"{'' if name == 'seed' else ' >= 1'} (got {value!r})")
+    for name in ("checkpoint", "memory_budget"):
+        if getattr(spec, name) is not None and not isinstance(getattr(spec, name), str):
+            raise ConfigError(f"tune spec: {name} must be a string (got {getattr(spec, name)!r})")
     if spec.metric not in METRICS:
         raise ConfigError(f"tune spec: [fitness] metric {spec.metric!r}: use one of {list(METRICS)}")
     if spec.memory_budget is not None:

@@ -40,6 +40,17 @@ def test_bad_specs_are_refused_before_anything_runs(space, match, tmp_path):
         parse_spec(_raw(space))
 
 
+@pytest.mark.parametrize("search, match", [
+    ({"generations": "ten"}, r"generations must be an integer >= 1 \(got 'ten'\)"),
+    ({"pop_size": 0}, "pop_size must be an integer >= 1"),
+    ({"seed": 1.5}, "seed must be an integer"),
+    ({"checkpoint": 3}, "checkpoint must be a string"),
+])
+def test_bad_search_settings_are_refused(search, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_spec(_raw({"train.lr": [1e-4, 1e-2]}, **search))
+
+
 def test_unknown_technique_option_and_bad_corner_values_are_refused():
     base = {**BASE, "techniques": ["lowrank"]}
     with pytest.raises(ConfigError, match="no option 'gamma'"):
