@@ -84,8 +84,9 @@ def assert_exact(tiled: dict, plain: dict, tol: float) -> None:
     (256, 256, {"levels": 2, "tiles": 3, "keep": "conv1"}, 1),  # block 3's conv1 output kept
     (128, 160, {"levels": 3, "tiles": 3}, 1),  # layer1 and block 2 too: 16 1/8-res rows / 3
     (288, 224, {"levels": 3, "rows": 96, "keep": "conv1"}, 1),  # blocks 2 and 3 conv1 kept
+    (128, 160, {"levels": 2, "tiles": 3, "keep": "all"}, 1),  # blocks 3 and 4 conv1 kept
 ], ids=["levels2-3tiles", "levels2-rows80-odd-size-batch2", "levels1-5tiles",
-        "levels2-keep-conv1", "levels3-3tiles", "levels3-rows96-keep-conv1"])
+        "levels2-keep-conv1", "levels3-3tiles", "levels3-rows96-keep-conv1", "levels2-keep-all"])
 def test_tiled_step_equals_untiled_float64(height, width, tiling, batch):
     plain = untiled_step(height, width, torch.float64, batch)
     assert_exact(train_step(height, width, torch.float64, tiling, batch), plain,

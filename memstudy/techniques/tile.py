@@ -26,8 +26,10 @@ Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`, `tile:16:keep=conv1`):
   may be shorter);
 - `levels`: 2 = full + half resolution (stem, decoder blocks 3-4, head); 1 = full resolution
   only (decoder block 4 and head); 3 = also 1/4 resolution (layer1, decoder block 2);
-- `keep`: `none` (one decoder region) or `conv1` (also keep each tiled skip block's first
-  convolution output: fewer sweeps, one more tensor per such block).
+- `keep`: `none` (one decoder region), `conv1` (also keep each tiled skip block's first
+  convolution output: fewer sweeps, one more tensor per such block) or `all` (every tiled
+  decoder block's first convolution output, block 4's at full resolution too: fewest sweeps,
+  most memory).
 Composes with amp, checkpoint:block / selective and invertible (they act on the untiled levels;
 the decoder blocks and stem that tile runs are not run through their wrapped forward), offload
 and saved-tensor compression (they see the region boundaries, which tile's Functions save), dp.
@@ -68,8 +70,9 @@ class Options:
         "help": "resolution levels tiled from full resolution down: 1 = full, 2 = full + half, "
                 "3 = full + half + quarter"})
     keep: str = field(default="none", metadata={
-        "help": "kept boundaries between decoder regions: none, or conv1 (each tiled skip "
-                "block's first convolution output: fewer recompute sweeps, more memory)"})
+        "help": "kept boundaries between decoder regions: none, conv1 (each tiled skip "
+                "block's first convolution output) or all (every tiled decoder block's): "
+                "fewer recompute sweeps, more memory"})
 
 
 def resolved(opts: Options) -> Options:

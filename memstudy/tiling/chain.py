@@ -90,7 +90,8 @@ def region_specs(levels: int, keep: str) -> list[RegionSpec]:
     if levels >= 2:
         specs.append(RegionSpec("stem", ("x",), (coarse,), "stem", None))
     first = LAST_BLOCK + 1 - levels
-    cuts = [b for b in range(first, LAST_BLOCK + 1) if keep == "conv1" and b in SKIPS]
+    cuts = [b for b in range(first, LAST_BLOCK + 1)
+            if keep == "all" or (keep == "conv1" and b in SKIPS)]
     start = f"d{first}"
     for stop in cuts + [None]:
         computed = _conv1_blocks(start, stop)

@@ -155,12 +155,12 @@ class _Stats(torch.autograd.Function):
         sweep, count = ctx.sweep, ctx.count
         region = sweep.region
 
-        # dL/dz = a + b * z per channel, one fused kernel (a, b from the statistics' gradients)
-        b = 2 * g_var / count
-        a = g_mean / count - b * mean
+        # centred first: a + b * z with a = -b * mean would cancel catastrophically in float32
+        scale, shift = 2 * g_var / count, g_mean / count
 
         def grad_of(tile: Tile, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            coef = torch.addcmul(a[:, None, None], z.detach(), b[:, None, None])
+            centred = z.detach() - mean[:, None, None]
+            coef = torch.addcmul(shift[:, None, None], centred, scale[:, None, None])
             return z, coef.to(z.dtype)
 
         grads = backprop_tiles(sweep, list(saved) + region.params(), ctx.needs_input_grad[3:],
