@@ -102,3 +102,60 @@ def test_cuda_run_is_tuned_and_records_fragmentation():
     run = {n: v for _, phase, n, v in rec.metrics if phase == "run"}
     assert run["fragmentation_bytes"] == run["reserved_peak_total_bytes"] - run["alloc_peak_total_bytes"]
     assert run["fragmentation_bytes"] >= 0
+
+
+def _step_op_counts(model: torch.nn.Module) -> dict[str, int]:
+    """aten ops of one forward + backward at 64 px (the recomputation included)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        counts: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.counts[str(func.overloadpacket).removeprefix("aten.")] += 1
+            return func(*args, **(kwargs or {}))
+
+    counter = Counter()
+    counter.counts = collections.Counter()
+    with counter:
+        model(torch.rand(1, 1, 64, 64)).mean().backward()
+    return counter.counts
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_overhead_loop_checkpoints_what_memstudy_checkpoints(monkeypatch, lean):
+    """bench_overhead compares equal things: its hand loop recomputes the same convolutions
+    and BatchNorms as memstudy's checkpoint:block (the loop's own checkpoint wrapping, run on
+    the CPU here); memstudy's recomputation runs no op of a kind the loop's does not."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_overhead
+
+    from memstudy.models import build_unet
+    from memstudy.techniques.checkpoint import apply_per_block
+
+    monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)
+    loop = _step_op_counts(bench_overhead.loop_model(True, lean))
+    ours_model = build_unet().to(memory_format=torch.channels_last)
+    apply_per_block(ours_model, selective=False)
+    ours = _step_op_counts(ours_model.net)  # the smp U-Net itself, without the pad/crop wrapper
+    for op in ("convolution", "convolution_backward", "native_batch_norm"):
+        assert ours[op] == loop[op], op
+    assert set(ours) - {"detach"} <= set(loop), set(ours) - set(loop)
+
+
+def test_overhead_plan_gives_each_size_its_sets():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_overhead
+
+    assert bench_overhead.parse_plan("2048=original,amp:bf16;4160=amp:bf16+checkpoint", "", "") == [
+        (2048, ["original", "amp:bf16"]), (4160, ["amp:bf16+checkpoint"])]
+    assert bench_overhead.parse_plan(None, "2048,4160", "amp:bf16") == [
+        (2048, ["amp:bf16"]), (4160, ["amp:bf16"])]
