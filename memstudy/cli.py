@@ -248,7 +248,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
                               f"({args.db})")
         print(best_table(spec, ResultsDB(args.db), args.best))
         return 0
-    trials = run_tune(spec, ResultsDB(args.db), progress=None if args.quiet else eprint)
+    try:
+        trials = run_tune(spec, ResultsDB(args.db), progress=None if args.quiet else eprint)
+    except KeyboardInterrupt:
+        eprint("interrupted: recorded trials are kept; the trial that was running left no "
+               "record; the same command resumes the search (docs/tune.md)")
+        return 130
     print(f"trained {len(trials.ran)} trial(s), {len(trials.reused)} found already recorded, "
           f"{len(trials.refused)} refused before running; stored in {args.db}")
     return 0
