@@ -141,6 +141,7 @@ def test_max_pool_offsets_give_the_exact_indices_and_gradient(kernel, stride, pa
                        indices)
     before, after = comp.tally()
     assert before == indices.nbytes and after == offsets.nbytes  # the tally's stand-in
+    assert patch_maxpools(torch.nn.MaxPool2d(17), comp) == 0  # 289 places: not one byte each
 
 
 # -- gradients against the uncompressed model (96 px, eval mode: BatchNorm state fixed) -------

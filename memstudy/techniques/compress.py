@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import random
 import weakref
 from dataclasses import dataclass, field
@@ -440,8 +441,10 @@ def _offset_pool_forward(module: nn.MaxPool2d, compressor: Compressor, x: torch.
 
 
 def patch_maxpools(model: nn.Module, compressor: Compressor) -> int:
-    """Give every nn.MaxPool2d instance (without return_indices) the offset-saving forward."""
-    pools = [m for m in model.modules() if type(m) is nn.MaxPool2d and not m.return_indices]
+    """Give every nn.MaxPool2d instance (without return_indices, with a window of at most 256
+    places: one byte per offset) the offset-saving forward."""
+    pools = [m for m in model.modules() if type(m) is nn.MaxPool2d and not m.return_indices
+             and math.prod(_pair(m.kernel_size)) <= 256]
     for pool in pools:
         pool.forward = functools.partial(_offset_pool_forward, pool, compressor)
     return len(pools)
