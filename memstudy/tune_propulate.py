@@ -52,12 +52,15 @@ def patch_single_worker_islands(propulator_cls: type) -> None:
 
 def write_population_checkpoint(checkpoint_path, island_idx: int, population: list) -> None:
     """What Propulate's _dump_checkpoint writes: the previous pickle kept as .bkp (Propulate
-    reads it when the newest is missing), then the population."""
+    reads it when the newest is missing), then the population; written to a temporary file
+    first, so an interrupt never leaves a truncated pickle that a resumed search cannot load."""
     target = checkpoint_path / f"island_{island_idx}_ckpt.pickle"
+    partial = target.with_suffix(".partial")
+    with open(partial, "wb") as f:
+        pickle.dump(population, f)
     if os.path.isfile(target):
         os.replace(target, target.with_suffix(".bkp"))
-    with open(target, "wb") as f:
-        pickle.dump(population, f)
+    os.replace(partial, target)
 
 
 def checkpoint_dir(spec: TuneSpec, db) -> str:
