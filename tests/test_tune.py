@@ -167,6 +167,7 @@ def test_single_worker_islands_write_their_checkpoint_without_messaging_themselv
     assert alone.island_comm.sent == []  # no send to itself
     assert pickle.loads((tmp_path / "island_0_ckpt.pickle").read_bytes()) == alone.population
     assert pickle.loads((tmp_path / "island_0_ckpt.bkp").read_bytes()) == ["ind0", "ind1"]
+    assert not (tmp_path / "island_0_ckpt.partial").exists()  # written, then renamed
     assert alone._determine_worker_dumping_next() is True  # keeps the turn
     shared = _Propulator(2, tmp_path / "two")
     shared._dump_checkpoint()
