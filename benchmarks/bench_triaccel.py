@@ -20,7 +20,9 @@ Configurations (cumulative, as the paper's ablation):
   +precision  tri_accel elastic batch + per-unit adaptive precision (curvature off)
   tri_accel   all three parts
 --tri-extra appends options to every tri_accel spec (e.g. thresholds found by
-`memstudy tune benchmarks/specs/tune-triaccel.toml`). Every run: synthetic phantoms, batch 1 to start, the same epochs, a budget of 16 GiB (the
+`memstudy tune benchmarks/specs/tune-triaccel.toml`); --tuned DB appends the best recorded
+trial's tau_low / tau_high / tau_curv of that search (memstudy.tune_results.best_trials over
+--tune-spec in DB), named with its run id in triaccel.md (gpu.sh step triaccel-tuned). Every run: synthetic phantoms, batch 1 to start, the same epochs, a budget of 16 GiB (the
 paper's T4/P100 cards, emulated by memstudy's allocator cap), every step after one warm-up
 step measured so the peak covers the whole run. Writes triaccel.sqlite and triaccel.md
 into --out: peak memory, time per epoch, validation quality, the efficiency score
@@ -81,7 +83,13 @@ def main() -> int:
     p.add_argument("--parts", nargs="+", choices=("stats", "ablation"), default=["stats", "ablation"])
     p.add_argument("--stats-size", type=int, default=1024)
     p.add_argument("--tri-extra", default="", help="options appended to every tri_accel spec")
+    p.add_argument("--tuned", type=Path, help="a `memstudy tune` database: append its best "
+                   "trial's settings to every tri_accel spec")
+    p.add_argument("--tune-spec", default="benchmarks/specs/tune-triaccel.toml")
     args = p.parse_args()
+    args.source = None
+    if args.tuned is not None:
+        args.tri_extra, args.source = args.tri_extra + tuned_options(args), str(args.tuned)
     if not torch.cuda.is_available():
         sys.exit("bench_triaccel needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -112,6 +120,23 @@ def main() -> int:
             (args.out / "triaccel.md").write_text(markdown(rows, torch.cuda.get_device_name(), args))
     print(f"wrote {args.out / 'triaccel.md'}")
     return 0
+
+
+def tuned_options(args) -> str:
+    """':tau_low=..:tau_high=..:tau_curv=..' of the best recorded trial of --tune-spec in --tuned."""
+    from memstudy.tune import load_spec
+    from memstudy.tune_results import best_trials
+
+    if not args.tuned.is_file():
+        sys.exit(f"--tuned {args.tuned}: no such database (run gpu.sh step tune-triaccel first)")
+    best = best_trials(load_spec(args.tune_spec), ResultsDB(args.tuned))
+    if not best or best[0]["status"] != "ok":
+        sys.exit(f"--tuned {args.tuned}: no successful recorded trial of {args.tune_spec}")
+    args.tuned_run = best[0]["run_id"]
+    extra = "".join(f":{key.partition('.')[2]}={value}" for key, value in best[0]["params"].items()
+                    if key.startswith("tri_accel."))
+    print(f"tuned thresholds from run {args.tuned_run} of {args.tuned}: {extra}", flush=True)
+    return extra
 
 
 def timed(fn, repeat: int = 50) -> float:
@@ -163,7 +188,10 @@ def markdown(rows: list[dict], gpu: str, args) -> str:
              f"torch {torch.__version__}, budget {args.budget}, {args.epochs} epochs of "
              f"{args.train_images} synthetic phantoms, batch 1 at start. Score = Q / (T x M) x 100 "
              f"(docs/triaccel.md). Energy: NVML counter over the training loop; time to target: "
-             f"wall time until the validation loss first reached {args.target} (- never).", ""]
+             f"wall time until the validation loss first reached {args.target} (- never)."
+             + (f" Every tri_accel spec + `{args.tri_extra}`" if args.tri_extra else "")
+             + (f": the best trial (run {args.tuned_run}) of `memstudy tune {args.tune_spec}` in "
+                f"{args.source}." if args.source else "."), ""]
     for size in sorted({r["size"] for r in rows}):
         here = [r for r in rows if r["size"] == size]
         base = next((r for r in here if r["name"] == "fp32" and r.get("peak_bytes")), None)

@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -48,6 +48,8 @@ for item in $STEPS; do
         tune-triaccel) . benchmarks/tune_env.sh; $PY -m memstudy --db "$RES/tune-triaccel.sqlite" tune benchmarks/specs/tune-triaccel.toml 2>&1 | tee "$RES/tune-triaccel.log"
             python3 -m memstudy --db "$RES/tune-triaccel.sqlite" tune benchmarks/specs/tune-triaccel.toml --best 10 2>&1 | tee "$RES/tune-triaccel.md" ;;
         triaccel) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel" ${TRIACCEL_ARGS:-} 2>&1 | tee "$RES/triaccel.log" ;;
+        # the ablation again with the best trial of tune-triaccel (run that step first, in the same call or carried in .carry/)
+        triaccel-tuned) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel-tuned" --parts ablation --tuned "$RES/tune-triaccel.sqlite" ${TRIACCELTUNED_ARGS:-} 2>&1 | tee "$RES/triaccel-tuned.log" ;;
         kernels) $PY benchmarks/bench_kernels.py --out "$RES/kernels" 2>&1 | tee "$RES/kernels.log" ;;
         bnlag) $PY benchmarks/bench_bn_lag.py --out "$RES/bnlag" ${BNLAG_ARGS:---size 2048 --steps 24 --precisions fp32,fp16} 2>&1 | tee "$RES/bnlag.log" ;;
         distributed) $PY benchmarks/bench_distributed.py --out "$RES/distributed" ${DIST_ARGS:-} 2>&1 | tee "$RES/distributed.log" ;;
