@@ -100,6 +100,9 @@ def check(opts: Options, plan: Plan) -> None:
                           f"of the {height}-row padded image, smaller than the {halo}-row halo; "
                           f"use tiles <= {height // halo}")
     _check_composition(plan)
+    if opts.levels >= 3 and plan.has("invertible"):
+        raise ConfigError("tile:levels=3 tiles layer1, whose BasicBlocks invertible replaces with "
+                          "momentum blocks; use tile:levels=2 with invertible, or drop invertible")
 
 
 def _padded_height(size) -> int | None:

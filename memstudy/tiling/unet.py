@@ -37,10 +37,10 @@ from memstudy.tiling.sweep import Region, TileRun, run_region
 
 
 # -- the model's parts by the names the walks use ----------------------------------------------
-def named_modules(unet: nn.Module) -> dict[str, nn.Module]:
+def named_modules(unet: nn.Module, levels: int) -> dict[str, nn.Module]:
     enc, blocks = unet.encoder, unet.decoder_blocks
-    found = {"conv1": enc.conv1, "bn1": enc.bn1, "head": unet.head}
-    for j in range(LAYER1_BLOCKS):
+    found = {"conv1": enc.conv1, "bn1": enc.bn1, "head": unet.head, "maxpool": enc.maxpool}
+    for j in range(LAYER1_BLOCKS if levels >= 3 else 0):  # invertible may replace it otherwise
         unit = enc.layer1[j]
         found.update({f"layer1.{j}.{n}": getattr(unit, n) for n in ("conv1", "bn1", "conv2", "bn2")})
     for i in range(2, LAST_BLOCK + 1):
@@ -64,10 +64,15 @@ def check_model(unet: nn.Module, levels: int) -> None:
     convs = [f"block{i}.conv{k}" for i in range(LAST_BLOCK + 1 - levels, LAST_BLOCK + 1)
              for k in (1, 2)]
     if levels >= 3:
+        units = list(enc.layer1)
+        if len(units) != LAYER1_BLOCKS or any(
+                not all(hasattr(u, n) for n in ("conv1", "bn1", "conv2", "bn2", "downsample"))
+                or u.downsample is not None for u in units):
+            raise ConfigError("tile:levels=3 tiles layer1, which is not ResNet-34's three "
+                              "BasicBlocks here (invertible replaces them with momentum blocks); "
+                              "use tile:levels=2 or drop invertible")
         convs += [f"layer1.{j}.conv{k}" for j in range(LAYER1_BLOCKS) for k in (1, 2)]
-        if any(enc.layer1[j].downsample is not None for j in range(LAYER1_BLOCKS)):
-            problems.append("layer1 down-samples")
-    modules = named_modules(unet)
+    modules = named_modules(unet, levels)
     for name in convs:
         conv = modules[name]
         if (conv.kernel_size, conv.stride, conv.padding, conv.dilation) != ((3, 3), (1, 1),
@@ -124,7 +129,7 @@ def build_region(unet: nn.Module, spec: RegionSpec, levels: int) -> Region:
     traced = trace(spec, levels)
     shared = [n for n in traced.norms if n == "bn1" and spec.start != "stem"]  # the stem's stats
     names = shared + [n for n in traced.norms if n not in shared]
-    modules = {**named_modules(unet), "maxpool": unet.encoder.maxpool}
+    modules = named_modules(unet, levels)
     index = {name: j for j, name in enumerate(names)}
 
     def body(run: TileRun, *strips: torch.Tensor) -> torch.Tensor:
