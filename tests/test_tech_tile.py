@@ -23,7 +23,7 @@ from memstudy.tiling.sweep import run_region
     (["tile:rows=8"], "tile:rows=8 is smaller than its halo"),
     (["tile:rows=30"], "tile:rows=30 must be a multiple of 4"),
     (["tile:levels=4"], "tile:levels=4 is not implemented"),
-    (["tile:keep=all"], "tile:keep='all' is not a kept-boundary choice"),
+    (["tile:keep=most"], "tile:keep='most' is not a kept-boundary choice"),
     (["tile:levels=3:rows=24"], "tile:rows=24 is smaller than its halo of 32 rows"),
     (["tile:levels=3", "invertible"], "tile:levels=3 tiles layer1"),
     (["tile:levels=0"], "tile:levels=0"),
