@@ -85,20 +85,22 @@ def test_run_records_phase_categories_that_add_up(make_config):
 
 @pytest.mark.gpu
 def test_allocator_tensor_meter_and_nvml_agree_on_cuda(make_config):
-    """Three independent meters on one CUDA run (H200 at 512 px: forward 387.9 vs 386.9 MB)."""
+    """Three independent meters on one CUDA run (H200 at 512 px: forward 387.9 vs 386.9 MB).
+    Backward's allocator peak also holds cuDNN's convolution workspaces, which no tensor the
+    tensor meter sees holds (H100, 512 px: 74.7 vs 32.5 MB with cudnn.benchmark on and off
+    alike), so there the tensor meter must only not exceed the allocator."""
     cfg = make_config(512, device="cuda", warmup_steps=2, measure_steps=2, validate=False)
     cfg.data.train_images = 5
     cfg.meter.tensor = "on"
-    # cuDNN's autotuner allocates workspaces through the allocator that no tensor holds (H100,
-    # 512 px, benchmark on: backward 74.7 vs 32.5 MB); the meters agree on tensors, so measure
-    # them without it
-    cfg.train.cudnn_benchmark = False
     rec = execute(cfg, db=None)
     assert rec.status == "ok", rec.error
     m = {(p, n): v for _, p, n, v in rec.metrics}
     for phase in ("forward", "backward", "step"):
         alloc, tensor = m[(phase, "alloc_peak_bytes")], m[(phase, "tensor_peak_bytes")]
-        assert abs(alloc - tensor) <= 0.05 * alloc + 2**20, (phase, alloc, tensor)
+        if phase == "backward":
+            assert tensor <= alloc + 2**20, (phase, alloc, tensor)
+        else:
+            assert abs(alloc - tensor) <= 0.05 * alloc + 2**20, (phase, alloc, tensor)
         # NVML sees the allocator's reserved segments plus the CUDA context
         assert m[(phase, "nvml_peak_bytes")] > m[(phase, "reserved_peak_bytes")]
 

@@ -244,8 +244,13 @@ def _kernels(interpret: bool) -> dict:
     scope = {**globals(), "tl": tl, "triton": triton}
 
     def jit(fn):
-        return triton.jit(types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
-                                             fn.__closure__))
+        rebuilt = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
+                                     fn.__closure__)
+        # FunctionType drops annotations: without them Triton (3.5, torch 2.11's) no longer sees
+        # the tl.constexpr parameters and tl.arange(0, ROWS) fails to compile
+        rebuilt.__annotations__ = dict(fn.__annotations__)
+        rebuilt.__doc__ = fn.__doc__
+        return triton.jit(rebuilt)
 
     @jit
     def group_layout(n_groups, BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
