@@ -128,13 +128,17 @@ def test_peak_of_tiled_levels_falls_with_the_tile_count():
     assert peaks[8] < peaks[1] / 3, peaks
 
 
-def _cuda_step(size: int, dtype: torch.dtype, layout: dict | None):
-    """Gradients and allocator peak of one forward + backward on CUDA (channels_last)."""
+def _cuda_step(size: int, dtype: torch.dtype, layout: dict | None, warmup: bool = False):
+    """Gradients and allocator peak of one forward + backward on CUDA (channels_last), after
+    one untimed step if `warmup` (cudnn.benchmark's trials allocate workspaces of their own)."""
     x = torch.rand(1, 1, size, size, device="cuda", dtype=dtype,
                    generator=torch.Generator("cuda").manual_seed(0))
     model = build_unet(seed=0).cuda().to(dtype).to(memory_format=torch.channels_last)
     if layout:
         model.forward_padded = TiledForward(model, **layout)
+    if warmup:
+        model(x.to(memory_format=torch.channels_last)).square().mean().backward()
+        model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
@@ -158,11 +162,19 @@ def test_gpu_tiled_gradients_exact_in_float64(layout):
 
 @pytest.mark.gpu
 def test_gpu_tiled_step_lowers_the_peak():
-    """At 1024 px in float32 the tiled step's allocator peak is under half the untiled one's."""
-    torch.backends.cudnn.allow_tf32 = False
-    _, tiled = _cuda_step(1024, torch.float32, {"levels": 2, "tiles": 8})
-    _, plain = _cuda_step(1024, torch.float32, None)
-    assert tiled < plain / 2, (tiled, plain)
+    """At 1024 px under bf16 autocast with cudnn.benchmark on (as memstudy's tuned runs), the
+    tiled step's allocator peak is under 3/4 of the untiled one's (H100 at 4188 px: 0.53-0.55;
+    the untiled lower levels hold the rest). Not in float32 with benchmark off: there cuDNN's
+    heuristics took a 26.8 GB workspace for a strip convolution at 1024 px on the H100, which
+    measures cuDNN's appetite for free memory, not tiling."""
+    torch.backends.cudnn.benchmark = True
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, tiled = _cuda_step(1024, torch.float32, {"levels": 2, "tiles": 8}, warmup=True)
+            _, plain = _cuda_step(1024, torch.float32, None, warmup=True)
+    finally:
+        torch.backends.cudnn.benchmark = False
+    assert tiled < 0.75 * plain, (tiled, plain)
 
 
 def test_offload_hooks_see_the_boundaries_and_keep_gradients():
