@@ -20,7 +20,8 @@ from memstudy.tiling.sweep import run_region
 
 
 @pytest.mark.parametrize("techniques, named", [
-    (["tile:rows=8"], "tile:rows=8 is smaller than its halo"),
+    (["tile:rows=4"], "tile:rows=4 is smaller than its halo of 8 rows"),
+    (["tile:rows=8:keep=none"], "tile:rows=8 is smaller than its halo of 12 rows"),
     (["tile:rows=30"], "tile:rows=30 must be a multiple of 4"),
     (["tile:levels=4"], "tile:levels=4 is not implemented"),
     (["tile:keep=most"], "tile:keep='most' is not a kept-boundary choice"),
@@ -117,7 +118,7 @@ def test_peak_of_tiled_levels_falls_with_the_tile_count():
     d2 = torch.rand(1, 64, 64, 64, requires_grad=True)  # decoder block 2's output (1/4 res)
     peaks = {}
     for tiles in (1, 2, 4, 8):
-        tiled = TiledForward(build_unet(seed=0), 2, tiles=tiles)
+        tiled = TiledForward(build_unet(seed=0), 2, tiles=tiles, keep="none")
         plan = tiled.plan(256)
         with LiveTensorMeter() as meter:
             pooled, stats = run_region(tiled.regions["stem"], plan["stem"], [x])

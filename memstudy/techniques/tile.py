@@ -69,7 +69,7 @@ class Options:
     levels: int = field(default=2, metadata={
         "help": "resolution levels tiled from full resolution down: 1 = full, 2 = full + half, "
                 "3 = full + half + quarter"})
-    keep: str = field(default="none", metadata={
+    keep: str = field(default="conv1", metadata={
         "help": "kept boundaries between decoder regions: none, conv1 (each tiled skip "
                 "block's first convolution output) or all (every tiled decoder block's): "
                 "fewer recompute sweeps, more memory"})

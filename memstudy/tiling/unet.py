@@ -146,7 +146,7 @@ class TiledForward:
     """Replaces `ContrastUNet.forward_padded` on an instance: same function, tiled top levels."""
 
     def __init__(self, unet: nn.Module, levels: int = 2, tiles: int = 0, rows: int = 0,
-                 keep: str = "none"):
+                 keep: str = "conv1"):
         check_levels(levels, "tile:levels")
         check_keep(keep, "tile:keep")
         check_model(unet, levels)

@@ -33,7 +33,8 @@ def forward_padded_as(unet: nn.Module, rows: int):
     """Within: `unet`'s forward_padded is the tiled one (rows > 0) or the untiled one (0)."""
     had = "forward_padded" in vars(unet)
     previous = vars(unet).get("forward_padded")
-    unet.forward_padded = (TiledForward(unet, VALIDATION_LEVELS, rows=rows) if rows
+    # keep="none": in eval mode there are no statistics sweeps to save, only boundaries to hold
+    unet.forward_padded = (TiledForward(unet, VALIDATION_LEVELS, rows=rows, keep="none") if rows
                            else type(unet).forward_padded.__get__(unet))
     try:
         yield
