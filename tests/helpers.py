@@ -22,6 +22,19 @@ def saved_bytes(fn: Callable[..., Any], *args: Any) -> int:
     return sum(sizes.values())
 
 
+def hooked_grads(model, x, hooks=None) -> list[torch.Tensor]:
+    """Parameter gradients of mean(model(x)^2), with saved-tensor `hooks` (pack, unpack)
+    around the forward when given: how offload / compression round trips are compared."""
+    model.zero_grad(set_to_none=True)
+    if hooks is None:
+        out = model(x)
+    else:
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            out = model(x)
+    out.square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
 @dataclass
 class Step:
     loss: float

@@ -16,7 +16,7 @@ from memstudy.kernels import quantize as qk
 from memstudy.techniques.compress import (Compressor, Quantized, gradient_deviation,
                                           patch_maxpools, patch_relus)
 from memstudy.techniques.offload import OFFLOADED, Offloader
-from helpers import measured_step, saved_bytes
+from helpers import hooked_grads, measured_step, saved_bytes
 
 TECH = get_technique("compress")
 CPU = torch.device("cpu")
@@ -149,18 +149,7 @@ def test_max_pool_offsets_give_the_exact_indices_and_gradient(kernel, stride, pa
 def model_x_plain():
     model = build_unet(seed=0).eval()
     x = torch.rand(1, 1, 96, 96, generator=torch.Generator().manual_seed(0))
-    return model, x, _grads(model, x), saved_bytes(model, x)
-
-
-def _grads(model, x, hooks=None):
-    model.zero_grad(set_to_none=True)
-    if hooks is None:
-        out = model(x)
-    else:
-        with torch.autograd.graph.saved_tensors_hooks(*hooks):
-            out = model(x)
-    out.square().mean().backward()
-    return [p.grad.clone() for p in model.parameters()]
+    return model, x, hooked_grads(model, x), saved_bytes(model, x)
 
 
 # measured (96 px, 3 seeds): cosine 0.99998 / 0.9978 / 0.970; relative error 0.006 / 0.066 / 0.28
@@ -171,7 +160,8 @@ def test_gradients_close_to_uncompressed(model_x_plain, bits, min_cosine, max_re
     comp = Compressor(bits=bits, group=256, min_numel=4096, seed=1)
     try:
         patch_relus(model, comp)
-        cosine, rel_error = gradient_deviation(_grads(model, x, (comp.pack, comp.unpack)), plain)
+        grads = hooked_grads(model, x, (comp.pack, comp.unpack))
+        cosine, rel_error = gradient_deviation(grads, plain)
     finally:
         for m in model.modules():  # the module-scoped model stays plain
             m.__dict__.pop("forward", None)
@@ -184,14 +174,16 @@ def test_relu_sign_masks_keep_relu_backward_exact(model_x_plain):
     error 0.29 without masks, 0.066 with)."""
     model, x, plain, _ = model_x_plain
     unmasked = Compressor(bits=4, group=256, min_numel=4096, seed=1)
-    _, error_unmasked = gradient_deviation(_grads(model, x, (unmasked.pack, unmasked.unpack)), plain)
+    unmasked_grads = hooked_grads(model, x, (unmasked.pack, unmasked.unpack))
+    _, error_unmasked = gradient_deviation(unmasked_grads, plain)
     masked = Compressor(bits=4, group=256, min_numel=4096, seed=1)
     try:
         patch_relus(model, masked)
-        _, error_masked = gradient_deviation(_grads(model, x, (masked.pack, masked.unpack)), plain)
+        masked_grads = hooked_grads(model, x, (masked.pack, masked.unpack))
+        _, error_masked = gradient_deviation(masked_grads, plain)
         masks_only = Compressor(bits=4, group=256, min_numel=10 ** 12)  # nothing quantised
         patch_relus(model, masks_only)
-        grads = _grads(model, x, (masks_only.pack, masks_only.unpack))
+        grads = hooked_grads(model, x, (masks_only.pack, masks_only.unpack))
         assert all(torch.equal(a, b) for a, b in zip(grads, plain))  # masks are exact
     finally:
         for m in model.modules():
@@ -277,7 +269,7 @@ def test_boundaries_only_compresses_checkpoint_region_inputs():
     model = build_unet(seed=0).eval()
     apply_per_block(model, selective=False)
     x = torch.rand(1, 1, 96, 96, generator=torch.Generator().manual_seed(0))
-    plain = _grads(model, x)
+    plain = hooked_grads(model, x)
     comp = Compressor(bits=8, group=256, min_numel=4096, boundaries_only=True)
     packed = []
 
@@ -285,7 +277,7 @@ def test_boundaries_only_compresses_checkpoint_region_inputs():
         packed.append(comp.pack(t))
         return packed[-1]
 
-    grads = _grads(model, x, (pack, comp.unpack))
+    grads = hooked_grads(model, x, (pack, comp.unpack))
     quantized = [p for p in packed if isinstance(p, Quantized)]
     assert len(quantized) >= 16  # every residual block's input, and the decoder's
     assert all(getattr(q, BOUNDARY, False) for q in quantized)
@@ -306,7 +298,7 @@ def test_checkpoint_recomputes_from_8_bit_region_inputs_and_compresses_nothing_a
     model = build_unet(seed=0).eval()
     apply_per_block(model, selective=False)
     x = torch.rand(1, 1, 96, 96, generator=torch.Generator().manual_seed(0))
-    plain = _grads(model, x)
+    plain = hooked_grads(model, x)
     comp = Compressor(bits=4, group=256, min_numel=4096, seed=1, boundary_bits=8)
     made: list[tuple[bool, Quantized]] = []
     quantize = comp.quantize
@@ -355,9 +347,9 @@ def test_chain_runs_compress_before_offload_whatever_the_order():
 def test_compress_then_offload_moves_fewer_bytes_same_gradients(model_x_plain):
     model, x, _, _ = model_x_plain
     alone = Compressor(bits=4, group=256, min_numel=4096, seed=3)
-    reference = _grads(model, x, (alone.pack, alone.unpack))
+    reference = hooked_grads(model, x, (alone.pack, alone.unpack))
     plain_off = Offloader(CPU, CPU, min_bytes=1024)
-    _grads(model, x, (plain_off.pack, plain_off.unpack))
+    hooked_grads(model, x, (plain_off.pack, plain_off.unpack))
 
     rt = Runtime(device=CPU, batch_size=1, loss_fn=None, optimizer_factory=None)
     comp = Compressor(bits=4, group=256, min_numel=4096, seed=3)
@@ -366,7 +358,7 @@ def test_compress_then_offload_moves_fewer_bytes_same_gradients(model_x_plain):
     rt.add_saved_tensor_transform(comp.pack, comp.unpack, "compress")
     pack, unpack = rt._saved_tensor_hooks()
     saved = []
-    grads = _grads(model, x, (lambda t: saved.append(pack(t)) or saved[-1], unpack))
+    grads = hooked_grads(model, x, (lambda t: saved.append(pack(t)) or saved[-1], unpack))
     assert all(torch.equal(a, b) for a, b in zip(grads, reference))  # same draws, same bytes
     quantized = [q for q in saved if isinstance(q, Quantized)]
     assert quantized and all(hasattr(q.codes, OFFLOADED) for q in quantized)  # codes moved
@@ -400,12 +392,12 @@ def test_gpu_compress_run_records_its_figures(make_config):
 def test_gpu_triton_and_torch_impls_agree_in_distribution():
     model = build_unet(seed=0).cuda().eval()
     x = torch.rand(1, 1, 256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    plain = _grads(model, x)
+    plain = hooked_grads(model, x)
     for use_triton in (True, False):
         comp = Compressor(bits=4, group=256, min_numel=4096, use_triton=use_triton, seed=1)
         try:
             patch_relus(model, comp)
-            cosine, _ = gradient_deviation(_grads(model, x, (comp.pack, comp.unpack)), plain)
+            cosine, _ = gradient_deviation(hooked_grads(model, x, (comp.pack, comp.unpack)), plain)
         finally:
             for m in model.modules():
                 m.__dict__.pop("forward", None)

@@ -8,7 +8,7 @@ from memstudy.runner import execute
 from memstudy.techniques import get_technique
 from memstudy.techniques.base import Plan
 from memstudy.techniques.offload import Offloader, PrefetchWindow
-from helpers import saved_bytes
+from helpers import hooked_grads, saved_bytes
 
 TECH = get_technique("offload")
 CPU = torch.device("cpu")
@@ -68,28 +68,17 @@ def test_unpack_restores_values_in_fresh_storage_and_keeps_layout():
 
 
 
-def _grads(model, x, hooks=None):
-    model.zero_grad(set_to_none=True)
-    if hooks is None:
-        out = model(x)
-    else:
-        with torch.autograd.graph.saved_tensors_hooks(*hooks):
-            out = model(x)
-    out.square().mean().backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
 @pytest.fixture(scope="module")
 def model_and_plain_grads():
     model = build_unet(seed=0).eval()  # eval: BatchNorm state does not change between runs
     x = torch.rand(1, 1, 96, 96, generator=torch.Generator().manual_seed(0))
-    return model, x, _grads(model, x), saved_bytes(model, x)
+    return model, x, hooked_grads(model, x), saved_bytes(model, x)
 
 
 def test_gradients_are_identical_with_offload(model_and_plain_grads):
     model, x, plain, saved = model_and_plain_grads
     off = Offloader(CPU, CPU, min_bytes=16 * 1024)
-    offloaded = _grads(model, x, (off.pack, off.unpack))
+    offloaded = hooked_grads(model, x, (off.pack, off.unpack))
     assert 0.95 * saved < off.offloaded_bytes <= saved  # 51.8 of 52.0 MiB at 192 px, 64 KiB
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
 
@@ -100,14 +89,14 @@ def test_prefetch_keeps_gradients_identical_and_bounds_what_is_in_flight(model_a
     model, x, plain, _ = model_and_plain_grads
     off = Offloader(CPU, CPU, min_bytes=16 * 1024, prefetch=prefetch)
     for _ in range(2):  # the second forward numbers its copies anew
-        grads = _grads(model, x, (off.pack, off.unpack))
+        grads = hooked_grads(model, x, (off.pack, off.unpack))
         assert all(torch.equal(a, b) for a, b in zip(plain, grads))
     stats = off.stats
     assert stats["max_in_flight"] == prefetch
     # backward runs almost in reverse pack order: most copies were brought back ahead of use
     assert stats["prefetched"] > 0.8 * (stats["prefetched"] + stats["on_demand"]), stats
     none = Offloader(CPU, CPU, min_bytes=16 * 1024)
-    _grads(model, x, (none.pack, none.unpack))
+    hooked_grads(model, x, (none.pack, none.unpack))
     assert none.stats["prefetched"] == 0 and none.stats["max_in_flight"] == 0
 
 
@@ -142,16 +131,16 @@ def test_with_checkpoint_only_tensors_outside_regions_are_offloaded(model_and_pl
         pytest.skip("checkpoint technique not available yet")
     model, x, plain, _ = model_and_plain_grads
     full = Offloader(CPU, CPU, min_bytes=64 * 1024)
-    _grads(model, x, (full.pack, full.unpack))
+    hooked_grads(model, x, (full.pack, full.unpack))
     apply_per_block(model, selective=False)  # last use of the module-scoped model
     inner = Offloader(CPU, CPU, min_bytes=64 * 1024)
-    grads = _grads(model, x, (inner.pack, inner.unpack))
+    grads = hooked_grads(model, x, (inner.pack, inner.unpack))
     assert 0 < inner.offloaded_bytes < 0.5 * full.offloaded_bytes
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(plain, grads))
     # which=boundaries: only the region inputs checkpoint marks (96 px: 1.4 of 3.5 MB; the
     # stem's full-resolution tensors outside regions are the rest)
     marked = Offloader(CPU, CPU, min_bytes=64 * 1024, boundaries_only=True, prefetch=2)
-    grads = _grads(model, x, (marked.pack, marked.unpack))
+    grads = hooked_grads(model, x, (marked.pack, marked.unpack))
     assert 0.25 * inner.offloaded_bytes < marked.offloaded_bytes < 0.75 * inner.offloaded_bytes
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(plain, grads))
 
@@ -179,9 +168,9 @@ def test_gpu_gradients_match_without_offload():
     torch.backends.cudnn.benchmark = False
     model = build_unet(seed=0).cuda().eval()
     x = torch.rand(2, 1, 256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    plain = _grads(model, x)
+    plain = hooked_grads(model, x)
     off = Offloader(torch.device("cuda"), CPU, min_bytes=64 * 1024, pin_memory=True)
-    offloaded = _grads(model, x, (off.pack, off.unpack))
+    offloaded = hooked_grads(model, x, (off.pack, off.unpack))
     assert off.offloaded_bytes > 0
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
 
@@ -193,10 +182,10 @@ def test_gpu_prefetch_gradients_identical_to_plain_offload():
     model = build_unet(seed=0).cuda().eval()
     x = torch.rand(2, 1, 256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     plain = Offloader(torch.device("cuda"), CPU, min_bytes=64 * 1024, pin_memory=True)
-    expected = _grads(model, x, (plain.pack, plain.unpack))
+    expected = hooked_grads(model, x, (plain.pack, plain.unpack))
     ahead = Offloader(torch.device("cuda"), CPU, min_bytes=64 * 1024, pin_memory=True, prefetch=4)
     for _ in range(2):
-        grads = _grads(model, x, (ahead.pack, ahead.unpack))
+        grads = hooked_grads(model, x, (ahead.pack, ahead.unpack))
         assert all(torch.equal(a, b) for a, b in zip(expected, grads))
     assert ahead.stats["prefetched"] > 0.8 * (ahead.stats["prefetched"] + ahead.stats["on_demand"])
     assert ahead.stats["max_in_flight"] == 4
