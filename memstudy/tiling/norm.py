@@ -62,7 +62,7 @@ class NormReLU(torch.autograd.Function):
         z, mean, invstd, weight, y = ctx.saved_tensors
         dy = torch.ops.aten.threshold_backward(grad_y, y, 0) if ctx.relu else grad_y
         if _primitives(z, "norm"):
-            dy = dy.contiguous(memory_format=_format(z))
+            dy = dy.contiguous(memory_format=memory_format_of(z))
             sum_dy, sum_dy_xmu, grad_w, grad_b = torch.batch_norm_backward_reduce(
                 dy, z, mean, invstd, weight, True, True, True)
             zero = torch.zeros_like(sum_dy)
@@ -81,7 +81,8 @@ class NormReLU(torch.autograd.Function):
         return grad_z, grad_mean, grad_invstd, grad_w, grad_b, None
 
 
-def _format(t: torch.Tensor) -> torch.memory_format:
+def memory_format_of(t: torch.Tensor) -> torch.memory_format:
+    """channels_last for a dense NHWC tensor, else the contiguous format."""
     nhwc = t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
     return torch.channels_last if nhwc else torch.contiguous_format
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from memstudy.tiling.geometry import Path, Tile
-from memstudy.tiling.norm import Stats, moments, normalize
+from memstudy.tiling.norm import Stats, memory_format_of, moments, normalize
 
 @dataclass
 class Region:
@@ -200,10 +200,8 @@ def _full_like(part: torch.Tensor, inputs: list[torch.Tensor], sweep: Sweep) -> 
     """The region's full output, in the strips' memory format (channels_last stays so)."""
     total = sweep.tiles[-1].own[1]
     factor = part.shape[-2] // (sweep.tiles[0].own[1] - sweep.tiles[0].own[0])
-    nhwc = part.is_contiguous(memory_format=torch.channels_last) and not part.is_contiguous()
     return torch.empty((*part.shape[:2], factor * total, part.shape[-1]), dtype=part.dtype,
-                       device=part.device,
-                       memory_format=torch.channels_last if nhwc else torch.contiguous_format)
+                       device=part.device, memory_format=memory_format_of(part))
 
 
 def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: int | None,
