@@ -5,10 +5,10 @@
 At each size, one effective batch B (default 8) trained four ways: batch B (k = 1), and
 batch B/k with `accumulate:k` for k = 2, 4, 8 (the same images per optimizer step, the same
 optimizer steps: 16 phantoms x 3 epochs = 6 optimizer steps, 2 warm-up + 2 measured, 3
-validations for the time to target; about 2 minutes on one H100 for both sizes). Rows are
+validations for the time to target). Rows are
 printed and accumulate.md rewritten as each run ends, so a run cut by a time limit leaves the
-rows it finished. Synthetic phantoms, float32 (the tuned baseline's channels_last / cuDNN
-autotuning as resolved for CUDA), `--epochs` epochs validated after each, train.target_val_loss
+rows it finished. Synthetic phantoms, every row with the --base set (default amp:bf16; the tuned baseline's
+channels_last / cuDNN autotuning as resolved for CUDA), `--epochs` epochs validated after each, train.target_val_loss
 = --target. Rows: peak memory (allocator, and NVML device level), step time, throughput,
 energy (NVML counter), time to target, validation loss; then memstudy's eq. 9 table
 (memstudy.report.accumulation: throughput / peak per k, k_optimal marked). Writes
@@ -32,7 +32,7 @@ from memstudy.store import ResultsDB
 
 
 def config(size: int, batch: int, k: int, args) -> RunConfig:
-    techniques = [f"accumulate:{k}"] if k > 1 else []
+    techniques = [t for t in args.base.split("+") if t] + ([f"accumulate:{k}"] if k > 1 else [])
     cfg = RunConfig(techniques=techniques, label=f"bench_accumulate {size} k={k}")
     t = cfg.train
     t.image_size, t.batch_size, t.epochs, t.device, t.seed = size, batch, args.epochs, args.device, 0
@@ -54,6 +54,8 @@ def main() -> int:
     p.add_argument("--target", type=float, default=0.4,
                    help="train.target_val_loss (1 - MS-SSIM) for time_to_target_s")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    p.add_argument("--base", default="amp:bf16", help="techniques every row runs with ('+'-joined; "
+                   "'' for float32, whose cuDNN autotuning at batch 8 takes minutes on an H100)")
     args = p.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench_accumulate needs a CUDA GPU (or --device cpu for a smoke test)")
@@ -81,7 +83,8 @@ def main() -> int:
 def markdown(rows: list[dict], db: ResultsDB, args) -> str:
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     lines = [f"# Gradient accumulation vs the larger batch ({gpu})", "",
-             f"torch {torch.__version__}; effective batch {args.batch}, float32, {args.epochs} "
+             f"torch {torch.__version__}; effective batch {args.batch}, base set "
+             f"`{args.base or 'original (float32)'}`, {args.epochs} "
              f"epochs of {args.train_images} phantoms, validated each epoch on {args.val_images}; "
              f"target val loss {args.target}. Step time: median plain optimizer step. "
              "Peak: allocator (max over measured phases); NVML: device level.", ""]

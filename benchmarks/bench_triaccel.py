@@ -175,6 +175,7 @@ def stats_part(db: ResultsDB, args) -> str:
         spec = f"tri_accel:curvature=off:elastic=off:grad_layout={layout_name}:stats={stats}"
         cfg = config(args.stats_size, [spec], args)
         cfg.train.warmup_steps, cfg.train.measure_steps, cfg.train.validate = 3, 2, False
+        cfg.train.target_val_loss = None  # no validation in these timing runs: nothing to reach
         cfg.data.train_images, cfg.train.epochs = 16, 1
         rec = execute(cfg, db)
         run = {n: v for _, ph, n, v in rec.metrics if ph == "run"}
