@@ -6,8 +6,8 @@ native 4188 x 4188 training under 4 GiB.
   largest trainable size on the 64 px grid (each probe a short training run in its own
   process). Writes --out/ladder.sqlite and --out/ladder.md (one table per budget, GPU named).
 --part native: at --size (default 4188) trains --steps steps of phantoms and validates, each run
-  in its own process: the tiled set under --budget (default 4GiB), unconstrained amp:bf16 and
-  unconstrained float32 (no technique). Writes --out/native.sqlite and --out/native.md: status,
+  in its own process: the tiled set(s) under --budget (default 4GiB), any --free-sets without a
+  budget, unconstrained amp:bf16 and unconstrained float32 (no technique, cudnn.benchmark off). Writes --out/native.sqlite and --out/native.md: status,
   run peak, step time beside amp:bf16's, validation MS-SSIM beside float32's (same steps, same
   data, same seed).
 
@@ -43,7 +43,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12, help="native: training steps per run")
     p.add_argument("--size", default="4188", help="native: image size")
     p.add_argument("--budget", default="4GiB", help="native: budget of the tiled run")
-    p.add_argument("--tiled-set", default=NATIVE_SET, help="native: techniques of the tiled run")
+    p.add_argument("--tiled-set", default=NATIVE_SET,
+                   help="native: techniques of the tiled run(s) under --budget, ';'-separated")
+    p.add_argument("--free-sets", default="",
+                   help="native: more sets run without a budget (e.g. to see what a tiled set "
+                        "needs and costs unconstrained), ';'-separated")
+    p.add_argument("--no-float32", action="store_true",
+                   help="native: skip the float32 reference (quality column then empty)")
     p.add_argument("--timeout", type=float, default=600, help="per-run / per-probe timeout (s)")
     return p.parse_args(argv)
 
@@ -77,15 +83,27 @@ def ladder(args: argparse.Namespace, out: Path) -> int:
 
 
 # -- native size under a budget -----------------------------------------------------------
-def native_runs(args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
-    """(label, techniques, budget) of the three runs."""
-    return [(f"{args.tiled_set} under {args.budget}", args.tiled_set, args.budget),
-            ("amp:bf16 unconstrained", "amp:bf16", None),
-            ("float32 unconstrained", "none", None)]
+# float32 (TF32 off) convolutions at 4188 px: cuDNN's autotuning takes minutes on an H100
+FLOAT32_SETTINGS = ("train.cudnn_benchmark=false",)
+
+
+def native_runs(args: argparse.Namespace) -> list[tuple[str, str, str | None, tuple[str, ...]]]:
+    """(label, techniques, budget, extra settings) of the runs: the tiled set(s) under the
+    budget, the free sets, then the references amp:bf16 (time) and float32 (quality)."""
+    runs = [(f"{s} under {args.budget}", s, args.budget, ()) for s in _sets(args.tiled_set)]
+    runs += [(f"{s} unconstrained", s, None, ()) for s in _sets(args.free_sets)]
+    runs.append(("amp:bf16 unconstrained", "amp:bf16", None, ()))
+    if not args.no_float32:
+        runs.append(("float32 unconstrained, cudnn.benchmark off", "none", None, FLOAT32_SETTINGS))
+    return runs
+
+
+def _sets(text: str) -> list[str]:
+    return [s for s in text.split(";") if s]
 
 
 def run_native(db: Path, args: argparse.Namespace, label: str, techniques: str,
-               budget: str | None) -> None:
+               budget: str | None, settings: tuple[str, ...]) -> None:
     steps = args.steps
     cmd = [sys.executable, "-m", "memstudy", "--db", str(db), "run", "--size", args.size,
            "-t", techniques, "--device", "cuda", "--steps", str(steps), "-q", "--label", label,
@@ -93,6 +111,8 @@ def run_native(db: Path, args: argparse.Namespace, label: str, techniques: str,
            "--set", f"data.train_images={steps}", "--set", "data.val_images=2"]
     if budget:
         cmd += ["--budget", budget]
+    for setting in settings:
+        cmd += ["--set", setting]
     print("+", " ".join(cmd), flush=True)
     try:
         subprocess.run(cmd, check=False, timeout=args.timeout)
@@ -118,6 +138,7 @@ def native_table(db: Path) -> list[str]:
                      "nvml": max((m.get("nvml_peak_bytes", 0) for m in metrics.values()),
                                  default=0),
                      "step": run.get("step_time_s") or run.get("metered_step_time_s"),
+                     "retries": run.get("alloc_retries"),
                      "msssim": None if val is None else 1 - val,
                      "error": (r["error"] or "")[:100]})
     bf16 = next((r["step"] for r in rows if r["label"].startswith("amp:bf16 ")), None)
@@ -127,9 +148,11 @@ def native_table(db: Path) -> list[str]:
     lines = [f"GPU: **{', '.join(gpus) or 'unknown'}**; recorded {when}. "
              "Allocator peak = largest absolute allocator peak of any phase (no CUDA context); "
              "NVML peak = device memory used, CUDA context included. Validation MS-SSIM after the "
-             "same steps on the same phantoms.", "",
-             "| run | status | allocator peak MB | NVML peak MB | step s | time / amp:bf16 | "
-             "val MS-SSIM | vs float32 | error |", "|---|---|---|---|---|---|---|---|---|"]
+             "same steps on the same phantoms. Retries: the allocator's `num_alloc_retries` "
+             "(docs/metrics.md).", "",
+             "| run | status | allocator peak MB | NVML peak MB | retries | step s | "
+             "time / amp:bf16 | val MS-SSIM | vs float32 | error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['step'] / bf16:.2f}" if r["step"] and bf16 else "-"
         rel = f"{(r['msssim'] - fp32) / fp32:+.2%}" if r["msssim"] is not None and fp32 else "-"
@@ -137,6 +160,7 @@ def native_table(db: Path) -> list[str]:
             f"| {r['label']}", r["status"] + (f" in {r['phase']}" if r["phase"] else ""),
             f"{r['peak'] / 2**20:.0f}" if r["peak"] else "-",
             f"{r['nvml'] / 2**20:.0f}" if r["nvml"] else "-",
+            "-" if r["retries"] is None else f"{r['retries']:.0f}",
             f"{r['step']:.3f}" if r["step"] else "-", ratio,
             f"{r['msssim']:.4f}" if r["msssim"] is not None else "-", rel, r["error"] + " |"]))
     return lines
@@ -144,8 +168,8 @@ def native_table(db: Path) -> list[str]:
 
 def native(args: argparse.Namespace, out: Path) -> int:
     db = out / "native.sqlite"
-    for label, techniques, budget in native_runs(args):
-        run_native(db, args, label, techniques, budget)
+    for label, techniques, budget, settings in native_runs(args):
+        run_native(db, args, label, techniques, budget, settings)
     text = "\n".join([f"# {args.size} px trained under {args.budget} with exact tiling", "",
                       *native_table(db)]) + "\n"
     (out / "native.md").write_text(text)

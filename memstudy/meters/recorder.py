@@ -278,6 +278,8 @@ class PhaseRecorder:
                 if "nvml_peak_bytes" in r]
         if nvml:
             run["nvml_peak_total_bytes"] = max(nvml)
+        if self.cuda:  # near a budget the allocator frees its cache and retries: slow steps
+            run["alloc_retries"] = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
         return run
 
 
