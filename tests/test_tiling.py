@@ -164,3 +164,33 @@ def test_training_loop_validation_tiled_equals_untiled():
     assert tiled.keys() == plain.keys()
     for name, value in plain.items():
         assert tiled[name] == pytest.approx(value, rel=1e-5), name
+
+
+def test_region_functions_share_one_input_gradient(monkeypatch):
+    """A region's K+1 Functions add into one full-size gradient per input (the last backward
+    returns it), instead of one each that autograd then sums: at levels=2 / keep=all the step
+    allocates 5 full-size input gradients (stem: x; block3.conv1: d3, x; block4.conv1: z3;
+    top: z4), not 10 (one per Function and input), and each reaches autograd exactly once."""
+    from memstudy.tiling import sweep as sweep_module
+
+    allocated, returned = [], []
+    real_input_grad, real_settle = sweep_module.Sweep.input_grad, sweep_module.Sweep.settle
+
+    def input_grad(self, i, like):
+        if self.input_grads[i] is None:
+            allocated.append((self.region.name, i))
+        return real_input_grad(self, i, like)
+
+    def settle(self, i):
+        grad = real_settle(self, i)
+        if grad is not None:
+            returned.append((self.region.name, i))
+        return grad
+
+    monkeypatch.setattr(sweep_module.Sweep, "input_grad", input_grad)
+    monkeypatch.setattr(sweep_module.Sweep, "settle", settle)
+    tiled = train_step(128, 160, torch.float64, {"levels": 2, "tiles": 3, "keep": "all"})
+    expected = [("block3.conv1", 0), ("block3.conv1", 1), ("block4.conv1", 0), ("stem", 0),
+                ("top", 0)]
+    assert sorted(allocated) == expected and sorted(returned) == expected
+    assert_exact(tiled, untiled_step(128, 160, torch.float64), TOL[torch.float64])

@@ -13,8 +13,8 @@ between forward and backward) and backpropagates the owned rows only:
 - `_Apply`: the surrogate sum_owned(out * grad_out);
 - `_Stats` k: mean_k = sum(z)/N and var_k = sum((z - mean_k)^2)/N, so dL/dz = g_mean/N +
   g_var * 2 (z - mean_k) / N (the path through mean_k in var_k vanishes: sum(z - mean_k) = 0).
-Each yields gradients for the input strips (added into full-size input gradients), for the
-earlier statistics and for the parameters. With K BatchNorms computed in a region, a training
+Each yields gradients for the input strips (added into one full-size gradient per input that
+all the region's Functions share: `Sweep`), for the earlier statistics and for the parameters. With K BatchNorms computed in a region, a training
 step runs K + 1 forward sweeps and K + 1 backward sweeps of that region, and nothing of full size
 other than the region's inputs and output is alive at any time.
 
@@ -28,7 +28,7 @@ uses its running statistics and gets no `_Stats` at all (the exact tiled inferen
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -96,10 +96,41 @@ def strips_of(region: Region, tile: Tile, inputs: Sequence[torch.Tensor]) -> lis
 # -- the two sweeps as autograd Functions ------------------------------------------------------
 @dataclass
 class Sweep:
-    """What both Functions need besides tensors: region, tiles, the forward's autocast state."""
+    """What both Functions need besides tensors: region, tiles, the forward's autocast state,
+    and the region's input gradients, shared by all its Functions.
+
+    Every Function of a region (K `_Stats` and one `_Apply`) backpropagates into the same
+    full-size inputs. Returning one full-size gradient each would keep two of them alive while
+    autograd sums them (at full resolution, 16 channels of 4188 x 4188 in bf16: 561 MB more at
+    the backward's peak), so they add into one buffer per input instead, and the Function whose
+    backward runs last returns it (the others return None for that input)."""
     region: Region
     tiles: list[Tile]
     autocast: tuple[str, bool, torch.dtype]
+    recording: bool = False  # the forward ran with grad enabled: backward will follow
+    input_grads: list = field(default_factory=list)  # per input: the shared buffer, or None
+    pending: list = field(default_factory=list)  # per input: Functions yet to add into it
+
+    def expect(self, needs: Sequence[bool]) -> None:
+        """A Function was recorded whose backward will add into the inputs it `needs`."""
+        if not self.pending:
+            self.pending, self.input_grads = [0] * self.n_inputs, [None] * self.n_inputs
+        if self.recording:
+            for i in range(self.n_inputs):
+                self.pending[i] += bool(needs[i])
+
+    def input_grad(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        if self.input_grads[i] is None:
+            self.input_grads[i] = torch.zeros_like(like)
+        return self.input_grads[i]
+
+    def settle(self, i: int) -> torch.Tensor | None:
+        """One Function's backward is done with input i: the sum once it was the last."""
+        self.pending[i] -= 1
+        if self.pending[i]:
+            return None
+        grad, self.input_grads[i] = self.input_grads[i], None
+        return grad
 
     @property
     def n_inputs(self) -> int:
@@ -144,6 +175,7 @@ class _Stats(torch.autograd.Function):
         counts[k] = count
         var = m2 / count
         ctx.sweep, ctx.k, ctx.count = sweep, k, count
+        sweep.expect(ctx.needs_input_grad[3:])
         # inputs and statistics go through saved-tensor hooks (offload / compression see the
         # region's boundaries); parameters are alive anyway and are read from the modules
         ctx.save_for_backward(*tensors[:sweep.n_tensors], mean)
@@ -180,6 +212,7 @@ class _Apply(torch.autograd.Function):
             factor = part.shape[-2] // (tile.own[1] - tile.own[0])
             out[..., factor * tile.own[0]:factor * tile.own[1], :] = part
         ctx.sweep = sweep
+        sweep.expect(ctx.needs_input_grad[1:])
         ctx.save_for_backward(*tensors[:sweep.n_tensors])
         return out
 
@@ -231,13 +264,14 @@ def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: i
         for i, g in zip(wanted, got):
             if g is None:
                 continue
-            if i < n:  # an input strip: add into the full-size input gradient
-                if grads[i] is None:
-                    grads[i] = torch.zeros_like(inputs[i])
+            if i < n:  # an input strip: add into the region's shared input gradient
                 f = region.input_factors[i]
-                grads[i][..., f * q0:f * q1, :] += g
+                sweep.input_grad(i, inputs[i])[..., f * q0:f * q1, :] += g
             else:
                 grads[i] = g if grads[i] is None else grads[i] + g
+    for i in range(n):
+        if needs[i]:
+            grads[i] = sweep.settle(i)
     return grads
 
 
@@ -250,7 +284,7 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
 def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
                shared: Sequence[Stats] = ()) -> tuple[torch.Tensor, list[Stats]]:
     """The region's output over the whole image, and the statistics every norm used."""
-    sweep = Sweep(region, tiles, autocast_state(inputs[0].device.type))
+    sweep = Sweep(region, tiles, autocast_state(inputs[0].device.type), torch.is_grad_enabled())
     params = region.params()
     stats: list[Stats | None] = list(shared) + [None] * (len(region.norms) - region.shared)
     counts: dict[int, int] = {}
