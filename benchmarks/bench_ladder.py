@@ -3,8 +3,10 @@ native 4188 x 4188 training under 4 GiB.
 
 --part ladder: for each budget in --budgets (CUDA context included, emulated as docs/budget.md
   describes) and each technique set in --sets, `memstudy.maxres` predicts and then searches the
-  largest trainable size on the 64 px grid (each probe a short training run in its own
-  process). Writes --out/ladder.sqlite and --out/ladder.md (one table per budget, GPU named).
+  largest trainable size on the --step px grid (default 64; each probe a short training run in
+  its own process), then trains each found size --quality-steps steps under the budget and
+  validates (the rung's memory, time and validation MS-SSIM in one run). Writes
+  --out/ladder.sqlite, --out/quality.sqlite and --out/ladder.md (one table per budget, GPU named).
 --part native: at --size (default 4188) trains --steps steps of phantoms and validates, each run
   in its own process: the tiled set(s) under --budget (default 4GiB), any --free-sets without a
   budget, unconstrained amp:bf16 and unconstrained float32 (no technique, cudnn.benchmark off). Writes --out/native.sqlite and --out/native.md: status,
@@ -40,6 +42,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fit-sizes", default="1024,2048",
                    help="ladder: sizes fitted for the prediction")
     p.add_argument("--max-size", type=int, default=8192, help="ladder: largest size probed")
+    p.add_argument("--step", type=int, default=64, help="ladder: the search's grid (px)")
+    p.add_argument("--quality-steps", type=int, default=8,
+                   help="ladder: after each search, train this many steps at the found size "
+                        "under the same budget and validate (0: no quality run)")
     p.add_argument("--steps", type=int, default=12, help="native: training steps per run")
     p.add_argument("--size", default="4188", help="native: image size")
     p.add_argument("--budget", default="4GiB", help="native: budget of the tiled run")
@@ -72,14 +78,42 @@ def ladder(args: argparse.Namespace, out: Path) -> int:
         cfg.train.validate = False
         results = search_all(copy.deepcopy(cfg), sets, db,
                              fit_sizes=[int(s) for s in args.fit_sizes.split(",")],
-                             max_size=args.max_size, timeout_s=args.timeout, progress=eprint)
+                             max_size=args.max_size, timeout_s=args.timeout, progress=eprint,
+                             step=args.step)
         failed |= any(r.error for r in results)
         gpus = sorted({p.gpu_name for r in results for p in r.probes if p.gpu_name})
         lines += ["", f"## {budget} (GPU: {', '.join(gpus) or 'unknown'})", "", "```",
                   maxres_table(results), "```"]
+        lines += quality_at_found(results, budget, args, out)
         (out / "ladder.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 1 if failed else 0
+
+
+def quality_at_found(results, budget: str, args: argparse.Namespace, out: Path) -> list[str]:
+    """Each set trained --quality-steps steps at its found size under the budget, validated:
+    the rung's measured memory, time and quality in one run (quality.sqlite)."""
+    if args.quality_steps < 1:
+        return []
+    db = out / "quality.sqlite"
+    before = _run_ids(db)
+    for r in results:
+        if r.found_px:
+            run_native(db, _with(args, size=str(r.found_px), steps=args.quality_steps),
+                       f"{','.join(r.techniques)} at {r.found_px} px under {budget}",
+                       ",".join(r.techniques), budget, ())
+    rows = native_table(db, exclude=before)
+    return ["", f"Training at the found size ({args.quality_steps} steps, validated):", ""] + rows[2:]
+
+
+def _run_ids(db: Path) -> set[int]:
+    from memstudy.store import ResultsDB
+
+    return {r["id"] for r in ResultsDB(db).query("SELECT id FROM runs")} if db.exists() else set()
+
+
+def _with(args: argparse.Namespace, **changes) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
 
 
 # -- native size under a budget -----------------------------------------------------------
@@ -120,12 +154,14 @@ def run_native(db: Path, args: argparse.Namespace, label: str, techniques: str,
         print(f"{label} timed out after {args.timeout:.0f} s", flush=True)
 
 
-def native_table(db: Path) -> list[str]:
+def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
     from memstudy.store import ResultsDB
 
     rdb = ResultsDB(db)
     rows = []
     for r in rdb.query("SELECT * FROM runs ORDER BY id"):
+        if r["id"] in exclude:
+            continue
         metrics = {phase: m for (_rank, phase), m in rdb.metrics(r["id"]).items()}
         run = metrics.get("run", {})
         epochs = rdb.epochs(r["id"])
