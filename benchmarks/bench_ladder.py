@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="ladder: after each search, train this many steps at the found size "
                         "under the same budget and validate (0: no quality run)")
     p.add_argument("--steps", type=int, default=12, help="native: training steps per run")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="native: warm-up steps (the budget caps the allocator after the last, by "
+                        "the CUDA context as grown by then)")
     p.add_argument("--size", default="4188", help="native: image size")
     p.add_argument("--budget", default="4GiB", help="native: budget of the tiled run")
     p.add_argument("--tiled-set", default=NATIVE_SET,
@@ -141,7 +144,8 @@ def run_native(db: Path, args: argparse.Namespace, label: str, techniques: str,
     steps = args.steps
     cmd = [sys.executable, "-m", "memstudy", "--db", str(db), "run", "--size", args.size,
            "-t", techniques, "--device", "cuda", "--steps", str(steps), "-q", "--label", label,
-           "--set", "train.warmup_steps=1", "--set", f"train.measure_steps={min(2, steps - 1)}",
+           "--set", f"train.warmup_steps={args.warmup}",
+           "--set", f"train.measure_steps={min(2, steps - args.warmup)}",
            "--set", f"data.train_images={steps}", "--set", "data.val_images=2"]
     if budget:
         cmd += ["--budget", budget]
