@@ -86,6 +86,19 @@ def test_fragmentation_is_peak_reserved_minus_peak_allocated():
     assert run["fragmentation_bytes"] == 400
 
 
+def test_alloc_retries_recorded_from_the_cuda_allocator(monkeypatch):
+    """CUDA runs record the caching allocator's retry count (slow steps near a budget); the CPU
+    has no such counter, so CPU runs do not carry the figure."""
+    rec = PhaseRecorder(torch.device("cpu"), torch.nn.Linear(1, 1), build_runtime(), lambda: None,
+                        small_config().meter)
+    rec.measured["forward"].append({"alloc_start_bytes": 0, "alloc_peak_bytes": 1,
+                                    "reserved_peak_bytes": 2, "time_s": 0.1})
+    assert "alloc_retries" not in rec.summary()["run"]
+    rec.cuda = True
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 7})
+    assert rec.summary()["run"]["alloc_retries"] == 7
+
+
 def build_runtime():
     return build_pipeline(make_plan(small_config())).runtime
 
@@ -102,6 +115,7 @@ def test_cuda_run_is_tuned_and_records_fragmentation():
     run = {n: v for _, phase, n, v in rec.metrics if phase == "run"}
     assert run["fragmentation_bytes"] == run["reserved_peak_total_bytes"] - run["alloc_peak_total_bytes"]
     assert run["fragmentation_bytes"] >= 0
+    assert run["alloc_retries"] == 0  # 80 GB for a 512 px run: the allocator never hit a limit
 
 
 def _step_op_counts(model: torch.nn.Module) -> dict[str, int]:
