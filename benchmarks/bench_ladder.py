@@ -26,9 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-LADDER_SETS = "amp:bf16,checkpoint;amp:bf16,checkpoint,offload;amp:bf16,checkpoint,tile:16;" \
-              "amp:bf16,checkpoint,offload,tile:16"
-NATIVE_SET = "amp:bf16,checkpoint,offload,tile:16"
+# the best sets measured (benchmarks/BENCHMARKS.md, session 5): boundary offload + keep=all at
+# levels=2 up to 6 GiB, levels=3 for 8192 px under 8 GiB
+BEST = "amp:bf16,checkpoint,offload:which=boundaries,tile:16:keep=all,allocator:expandable_segments=true"
+BEST_LEVELS3 = ("amp:bf16,checkpoint,offload:which=boundaries,tile:32:levels=3:keep=conv1,"
+                "allocator:expandable_segments=true")
+LADDER_SETS = f"{BEST};{BEST_LEVELS3}"
+NATIVE_SET = BEST
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,8 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quality-steps", type=int, default=8,
                    help="ladder: after each search, train this many steps at the found size "
                         "under the same budget and validate (0: no quality run)")
-    p.add_argument("--steps", type=int, default=12, help="native: training steps per run")
-    p.add_argument("--warmup", type=int, default=1,
+    p.add_argument("--steps", type=int, default=8, help="native: training steps per run")
+    p.add_argument("--warmup", type=int, default=2,
                    help="native: warm-up steps (the budget caps the allocator after the last, by "
                         "the CUDA context as grown by then)")
     p.add_argument("--size", default="4188", help="native: image size")

@@ -64,7 +64,7 @@ for item in $STEPS; do
         # tile / ladder databases sit in $RES itself, so .carry/*.sqlite resumes them
         tile) $PY benchmarks/bench_tile.py --out "$RES" ${TILE_ARGS:---sizes 2048 --tiles 4,8} 2>&1 | tee -a "$RES/tile.log" ;;
         tile-4188) $PY benchmarks/bench_tile.py --out "$RES" ${TILE4188_ARGS:---sizes 4188 --tiles 8,16} 2>&1 | tee -a "$RES/tile.log" ;;
-        ladder) $PY benchmarks/bench_ladder.py --part ladder --out "$RES" ${LADDER_ARGS:---budgets 4GiB --sets amp:bf16,checkpoint,offload,tile:16} 2>&1 | tee -a "$RES/ladder.log" ;;
+        ladder) $PY benchmarks/bench_ladder.py --part ladder --out "$RES" ${LADDER_ARGS:---budgets 4GiB --step 256} 2>&1 | tee -a "$RES/ladder.log" ;;
         tile-sweeps) $PY benchmarks/bench_tile_sweeps.py --out "$RES" ${TILESWEEPS_ARGS:---size 4188 --tiles 8,16 --profile} 2>&1 | tee -a "$RES/tile-sweeps.log" ;;
         tile-native) $PY benchmarks/bench_ladder.py --part native --out "$RES" ${TILENATIVE_ARGS:-} 2>&1 | tee -a "$RES/ladder.log" ;;
         compress) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS_ARGS:---sizes 2048 --bases original,amp:bf16+checkpoint} 2>&1 | tee -a "$RES/compress.log" ;;
