@@ -55,6 +55,25 @@ def is_boundary(obj: Any) -> bool:
     return bool(getattr(obj, BOUNDARY, False))
 
 
+_REGION_DEPTH = [0]  # checkpoint regions running now (their forward, or their recomputation)
+
+
+@contextlib.contextmanager
+def checkpoint_region():
+    """Inside: code runs as part of a checkpoint region, whose saved tensors are discarded in
+    forward and live only during the region's own backward when recomputed. Ops that spend
+    extra work to save less (compress's ReLU sign masks) skip it here."""
+    _REGION_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _REGION_DEPTH[0] -= 1
+
+
+def in_checkpoint_region() -> bool:
+    return _REGION_DEPTH[0] > 0
+
+
 @dataclass
 class StepInfo:
     step: int  # optimizer steps taken so far, this one included

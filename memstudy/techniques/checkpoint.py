@@ -69,7 +69,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from memstudy.errors import ConfigError
-from memstudy.runtime import mark_boundary
+from memstudy.runtime import checkpoint_region, mark_boundary
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 from memstudy.techniques.invertible import MomentumBlocks
@@ -182,7 +182,14 @@ def checkpointed_call(fn: Callable, modules: list[nn.Module], selective: bool, *
     extra = {"respect_saved_tensors_hooks": True} if _HAS_RESPECT_HOOKS else {}
     if not torch.compiler.is_compiling():  # host work per region that the U-Net does not need
         extra.update(preserve_rng_state=draws_random(modules), determinism_check="none")
+        fn = functools.partial(_in_region, fn)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **extra, **kwargs)
+
+
+def _in_region(fn: Callable, *args, **kwargs):
+    """fn run as a checkpoint region: in forward and again in the recomputation."""
+    with checkpoint_region():
+        return fn(*args, **kwargs)
 
 
 _HAS_RESPECT_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters

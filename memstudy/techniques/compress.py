@@ -28,6 +28,9 @@ How (a pack / unpack pair in the runtime's chain of saved-tensor transforms, bef
   The nn.MaxPool2d instances get a forward that saves only where each maximum sits in its
   window (4 bits for 3 x 3), from which backward rebuilds the exact indices and runs
   PyTorch's own max-pool backward: bit-identical gradients. Only with `which=all`.
+- inside checkpoint regions ReLUs and max-pools stay plain: a mask packed in forward would be
+  discarded there, and one packed in the recomputation lives only during that region's own
+  backward, so the two extra kernels per ReLU would keep nothing across phases.
 - checkpoint region inputs (`boundary_bits`, default 8 with `which=all`): backward recomputes
   each region from its saved input, so that input's error passes through the region's ReLUs
   and BatchNorm and compounds from region to region (192 px step, 4 bits: gradient cosine
@@ -68,7 +71,8 @@ from torch import nn
 
 from memstudy.errors import ConfigError
 from memstudy.kernels import quantize as qk
-from memstudy.runtime import BOUNDARY, Runtime, StepInfo, is_boundary, mark_boundary
+from memstudy.runtime import (BOUNDARY, Runtime, StepInfo, in_checkpoint_region, is_boundary,
+                             mark_boundary)
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
@@ -382,7 +386,11 @@ class _SignMaskedReLU(torch.autograd.Function):
 
 
 def _masked_relu_forward(module: nn.ReLU, compressor: Compressor, x: torch.Tensor) -> torch.Tensor:
-    if compressor.active and torch.is_grad_enabled() and x.requires_grad:
+    # inside a checkpoint region the mask would be packed in forward only to be discarded, and
+    # packed again in the recomputation for one region's backward: two kernels per ReLU for
+    # no memory kept across phases
+    if (compressor.active and torch.is_grad_enabled() and x.requires_grad
+            and not in_checkpoint_region()):
         return _SignMaskedReLU.apply(x, module.inplace, compressor)
     return torch.nn.functional.relu(x, inplace=module.inplace)
 
@@ -435,7 +443,8 @@ def _pair(v) -> tuple[int, int]:
 
 def _offset_pool_forward(module: nn.MaxPool2d, compressor: Compressor, x: torch.Tensor
                          ) -> torch.Tensor:
-    if compressor.active and torch.is_grad_enabled() and x.requires_grad:
+    if (compressor.active and torch.is_grad_enabled() and x.requires_grad
+            and not in_checkpoint_region()):  # as for the ReLU masks
         return _OffsetIndexMaxPool.apply(x, module)
     return nn.MaxPool2d.forward(module, x)
 
