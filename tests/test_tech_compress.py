@@ -303,22 +303,29 @@ def test_checkpoint_recomputes_from_8_bit_region_inputs_and_compresses_nothing_a
     made: list[tuple[bool, Quantized]] = []
     quantize = comp.quantize
     comp.quantize = lambda t: made.append((is_boundary(t), quantize(t))) or made[-1][1]
-    try:
-        patch_relus(model, comp)
-        patch_maxpools(model, comp)
-        model.zero_grad(set_to_none=True)
-        with torch.autograd.graph.saved_tensors_hooks(comp.pack, comp.unpack):
-            out = model(x)
-        in_forward = len(made)
-        out.square().mean().backward()
-    finally:
-        for m in model.modules():
-            m.__dict__.pop("forward", None) if type(m) in (torch.nn.ReLU, torch.nn.MaxPool2d) else None
+    model.zero_grad(set_to_none=True)
+    in_forward = _masked_step(model, x, comp, lambda: len(made))
     assert len(made) == in_forward  # the recomputation's saved tensors are not compressed
     assert sorted({q.bits for boundary, q in made if boundary}) == [8]
     assert sorted({q.bits for boundary, q in made if not boundary}) == [4]
     cosine, rel_error = gradient_deviation([p.grad for p in model.parameters()], plain)
     assert cosine > 0.99 and rel_error < 0.15, (cosine, rel_error)  # measured 0.996, 0.085
+
+
+def _masked_step(model, x: torch.Tensor, comp: Compressor, after_forward):
+    """Forward (comp's saved-tensor hooks, ReLU sign masks, max-pool offsets) and backward of
+    model on x; returns after_forward() as it was between the two."""
+    patch_relus(model, comp)
+    patch_maxpools(model, comp)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(comp.pack, comp.unpack):
+            out = model(x)
+        seen = after_forward()
+        out.square().mean().backward()
+    finally:
+        for m in model.modules():
+            m.__dict__.pop("forward", None) if type(m) in (torch.nn.ReLU, torch.nn.MaxPool2d) else None
+    return seen
 
 
 def test_relus_inside_checkpoint_regions_pack_no_sign_masks():
@@ -333,15 +340,7 @@ def test_relus_inside_checkpoint_regions_pack_no_sign_masks():
     packed_shapes = []
     pack_signs = comp.pack_signs
     comp.pack_signs = lambda out, dense: packed_shapes.append(tuple(out.shape)) or pack_signs(out, dense)
-    try:
-        patch_relus(model, comp)
-        with torch.autograd.graph.saved_tensors_hooks(comp.pack, comp.unpack):
-            out = model(x)
-        in_forward = list(packed_shapes)
-        out.square().mean().backward()
-    finally:
-        for m in model.modules():
-            m.__dict__.pop("forward", None) if type(m) is torch.nn.ReLU else None
+    in_forward = _masked_step(model, x, comp, lambda: list(packed_shapes))
     assert in_forward == [(1, 64, 48, 48)]  # the stem's ReLU, the only one outside a region
     assert packed_shapes == in_forward  # the recomputations pack nothing either
 
