@@ -121,7 +121,27 @@ def test_prefetch_window_order_and_bound():
     assert started == [4, 3, 2, 1]
     del copies[2]  # autograd freed copy 2 unused: it leaves the window
     assert 2 not in window._ready
-    assert window.stats == {"prefetched": 3, "on_demand": 2, "max_in_flight": 2}
+    assert window.stats == {"prefetched": 3, "on_demand": 2, "reused": 0, "max_in_flight": 2}
+
+
+def test_a_copy_shared_by_several_saved_tensors_comes_back_once():
+    """Without prefetch, a host copy that several saved tensors share (each Function of a tile
+    region saves the region's inputs) is brought back at its first unpack and serves the rest;
+    it leaves the window with its last use."""
+    off = Offloader(CPU, CPU, min_bytes=0)
+    copies_back = []
+    copy_back = off._copy_back
+    off._copy_back = lambda host, device, event: copies_back.append(1) or copy_back(host, device, event)
+    t = torch.randn(64, 64)
+    packed = [off.pack(t) for _ in range(3)]  # one host copy, three uses
+    assert packed[0] is packed[1] is packed[2]
+    restored = [off.unpack(p) for p in packed]
+    assert len(copies_back) == 1 and all(r is restored[0] for r in restored)
+    assert torch.equal(restored[0], t)
+    assert off.stats["on_demand"] == 1 and off.stats["reused"] == 2 and not off._window._ready
+    other = off.pack(torch.randn(64, 64))  # a new forward numbers anew; one use: not held
+    off.unpack(other)
+    assert not off._window._ready
 
 
 def test_with_checkpoint_only_tensors_outside_regions_are_offloaded(model_and_plain_grads):

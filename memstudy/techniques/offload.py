@@ -27,6 +27,9 @@ How (a pack / unpack pair in the runtime's chain of saved-tensor transforms,
   extra device tensors alive. A prefetched copy serves every unpack of its tensor (a ReLU
   output saved twice is brought back once); a copy whose saved tensor autograd frees unused
   leaves the window. The values are the same bytes: gradients are identical to prefetch=0.
+  A copy brought back on demand that several saved tensors share is kept for their unpacks
+  too (each Function of a tile region saves the region's inputs: a full-resolution boundary
+  crossed the bus once per Function before), until its last use.
 - which: `all` saved tensors (above min_bytes), or only `boundaries`, the tensors checkpoint
   (and tile) mark as kept between regions (`runtime.mark_boundary`): the region inputs and
   skip connections, which dominate what checkpointed runs still save.
@@ -152,6 +155,7 @@ class Offloader:
         ready = self._window.take(index)
         if ready is None:
             restored = self._copy_back(host, device, event)
+            self._window.hold(index, restored)  # for the copy's other saved tensors, if any
         else:
             restored, copied = ready
             if copied is not None:
@@ -196,10 +200,11 @@ class PrefetchWindow:
         self.start_copy, self.limit = start_copy, limit
         self._sequence: list[weakref.ref] = []  # host copies of this forward, in pack order
         self._uses: list[int] = []  # how many saved tensors share each copy
-        self._ready: dict[int, list] = {}  # index -> [device tensor, copy event, uses left]
+        # index -> [device tensor, copy event, uses left, "prefetched" or "reused"]
+        self._ready: dict[int, list] = {}
         self._cursor: int | None = None  # the next index to prefetch, counting down
         self._backward = False  # an unpack happened since the last pack
-        self.stats = {"prefetched": 0, "on_demand": 0, "max_in_flight": 0}
+        self.stats = {"prefetched": 0, "on_demand": 0, "reused": 0, "max_in_flight": 0}
 
     def start_forward(self) -> bool:
         """A pack after backward began: a new forward numbers its copies from 0 (True)."""
@@ -221,7 +226,7 @@ class PrefetchWindow:
             self._uses[index] += 1
 
     def take(self, index: int) -> tuple[torch.Tensor, Any] | None:
-        """The prefetched copy of `index` (and its event), or None: copy it now."""
+        """The copy of `index` already brought back (and its event), or None: copy it now."""
         self._backward = True
         entry = self._ready.get(index)
         if entry is None:
@@ -230,8 +235,16 @@ class PrefetchWindow:
         entry[2] -= 1
         if entry[2] <= 0:
             del self._ready[index]
-        self.stats["prefetched"] += 1
+        self.stats[entry[3]] += 1
         return entry[0], entry[1]
+
+    def hold(self, index: int, restored: torch.Tensor) -> None:
+        """A copy brought back on demand that more saved tensors share (the inputs every
+        Function of a tile region saves) serves their unpacks too, instead of crossing the bus
+        once per unpack; it leaves the window with its last use, or when autograd frees the host
+        copy."""
+        if index < len(self._uses) and self._uses[index] > 1:
+            self._ready[index] = [restored, None, self._uses[index] - 1, "reused"]
 
     def advance(self, index: int) -> None:
         """After unpacking `index`: start the copies below it, up to `limit` in flight."""
@@ -239,12 +252,16 @@ class PrefetchWindow:
             return
         # only ever down: a copy above the cursor was used already (or skipped as unneeded)
         self._cursor = index - 1 if self._cursor is None else min(self._cursor, index - 1)
-        while len(self._ready) < self.limit and self._cursor >= 0:
+        while self._in_flight() < self.limit and self._cursor >= 0:
             i, self._cursor = self._cursor, self._cursor - 1
             host = self._sequence[i]()
             if host is not None and i not in self._ready:
-                self._ready[i] = [*self.start_copy(host), self._uses[i]]
-        self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(self._ready))
+                self._ready[i] = [*self.start_copy(host), self._uses[i], "prefetched"]
+        self.stats["max_in_flight"] = max(self.stats["max_in_flight"], self._in_flight())
+
+    def _in_flight(self) -> int:
+        """Prefetched copies not yet used (`limit` bounds these; held on-demand copies aside)."""
+        return sum(entry[3] == "prefetched" for entry in self._ready.values())
 
 
 def _indexed(device: torch.device) -> torch.device:
