@@ -209,3 +209,18 @@ def test_gpu_prefetch_gradients_identical_to_plain_offload():
         assert all(torch.equal(a, b) for a, b in zip(expected, grads))
     assert ahead.stats["prefetched"] > 0.8 * (ahead.stats["prefetched"] + ahead.stats["on_demand"])
     assert ahead.stats["max_in_flight"] == 4
+
+
+def test_shared_copies_keep_invertible_gradients_identical():
+    """momentumnet's backward modifies tensors it unpacked in place; a copy brought back once
+    and shared by the saved tensors that share its host copy behaves as autograd without hooks
+    (one tensor object): gradients stay identical, with copies reused."""
+    from conftest import small_config
+    from memstudy.techniques.compose import build_pipeline, make_plan
+    model = build_pipeline(make_plan(small_config(techniques=["invertible"]))).model.eval()
+    x = torch.rand(1, 1, 96, 96, generator=torch.Generator().manual_seed(0))
+    plain = hooked_grads(model, x)
+    off = Offloader(CPU, CPU, min_bytes=1024)
+    grads = hooked_grads(model, x, (off.pack, off.unpack))
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    assert off.stats["reused"] > 0
