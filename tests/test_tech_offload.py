@@ -142,6 +142,15 @@ def test_a_copy_shared_by_several_saved_tensors_comes_back_once():
     other = off.pack(torch.randn(64, 64))  # a new forward numbers anew; one use: not held
     off.unpack(other)
     assert not off._window._ready
+    # uses far apart: the next copy brought back on demand replaces the waiting one
+    first, second = torch.randn(64, 64), torch.randn(64, 64)
+    a, b = off.pack(first), off.pack(second)
+    off.pack(first), off.pack(second)  # both shared by two saved tensors
+    off.unpack(a)
+    assert list(off._window._ready) == [0]
+    off.unpack(b)
+    assert list(off._window._ready) == [1]
+    assert torch.equal(off.unpack(a), first) and len(copies_back) == 5
 
 
 def test_with_checkpoint_only_tensors_outside_regions_are_offloaded(model_and_plain_grads):

@@ -241,8 +241,12 @@ class PrefetchWindow:
     def hold(self, index: int, restored: torch.Tensor) -> None:
         """A copy brought back on demand that more saved tensors share (the inputs every
         Function of a tile region saves) serves their unpacks too, instead of crossing the bus
-        once per unpack; it leaves the window with its last use, or when autograd frees the host
-        copy."""
+        once per unpack. At most one such copy waits: the next copy brought back on demand
+        replaces it (uses far apart in backward, such as a skip connection saved by an encoder
+        and a decoder region, would otherwise keep it on the device in between); it also leaves
+        with its last use, or when autograd frees the host copy."""
+        for waiting in [i for i, entry in self._ready.items() if entry[3] == "reused"]:
+            del self._ready[waiting]
         if index < len(self._uses) and self._uses[index] > 1:
             self._ready[index] = [restored, None, self._uses[index] - 1, "reused"]
 
