@@ -29,7 +29,8 @@ How (a pack / unpack pair in the runtime's chain of saved-tensor transforms,
   leaves the window. The values are the same bytes: gradients are identical to prefetch=0.
   A copy brought back on demand that several saved tensors share is kept for their unpacks
   too (each Function of a tile region saves the region's inputs: a full-resolution boundary
-  crossed the bus once per Function before), until its last use.
+  crossed the bus once per Function before), until its last use or the next copy brought
+  back on demand.
 - which: `all` saved tensors (above min_bytes), or only `boundaries`, the tensors checkpoint
   (and tile) mark as kept between regions (`runtime.mark_boundary`): the region inputs and
   skip connections, which dominate what checkpointed runs still save.
