@@ -9,7 +9,8 @@ native 4188 x 4188 training under 4 GiB.
   --out/ladder.sqlite, --out/quality.sqlite and --out/ladder.md (one table per budget, GPU named).
 --part native: at --size (default 4188) trains --steps steps of phantoms and validates, each run
   in its own process: the tiled set(s) under --budget (default 4GiB), any --free-sets without a
-  budget, unconstrained amp:bf16 and unconstrained float32 (no technique, cudnn.benchmark off). Writes --out/native.sqlite and --out/native.md: status,
+  budget, unconstrained amp:bf16 and unconstrained float32 (no technique, cudnn.benchmark
+  off). Writes --out/native.sqlite and --out/native.md: status,
   run peak, step time beside amp:bf16's, validation MS-SSIM beside float32's (same steps, same
   data, same seed).
 
@@ -28,7 +29,8 @@ from pathlib import Path
 
 # the best sets measured (benchmarks/BENCHMARKS.md, session 5): boundary offload + keep=all at
 # levels=2 up to 6 GiB, levels=3 for 8192 px under 8 GiB
-BEST = "amp:bf16,checkpoint,offload:which=boundaries,tile:16:keep=all,allocator:expandable_segments=true"
+BEST = ("amp:bf16,checkpoint,offload:which=boundaries,tile:16:keep=all,"
+        "allocator:expandable_segments=true")
 BEST_LEVELS3 = ("amp:bf16,checkpoint,offload:which=boundaries,tile:32:levels=3:keep=conv1,"
                 "allocator:expandable_segments=true")
 LADDER_SETS = f"{BEST};{BEST_LEVELS3}"
@@ -110,7 +112,8 @@ def quality_at_found(results, budget: str, args: argparse.Namespace, out: Path) 
                        f"{','.join(r.techniques)} at {r.found_px} px under {budget}",
                        ",".join(r.techniques), budget, ())
     rows = native_table(db, exclude=before)
-    return ["", f"Training at the found size ({args.quality_steps} steps, validated):", ""] + rows[2:]
+    heading = f"Training at the found size ({args.quality_steps} steps, validated):"
+    return ["", heading, ""] + rows[2:]
 
 
 def _run_ids(db: Path) -> set[int]:

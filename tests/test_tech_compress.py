@@ -339,7 +339,8 @@ def test_relus_inside_checkpoint_regions_pack_no_sign_masks():
     comp = Compressor(bits=8, group=256, min_numel=4096)
     packed_shapes = []
     pack_signs = comp.pack_signs
-    comp.pack_signs = lambda out, dense: packed_shapes.append(tuple(out.shape)) or pack_signs(out, dense)
+    comp.pack_signs = lambda out, dense: (packed_shapes.append(tuple(out.shape))
+                                          or pack_signs(out, dense))
     in_forward = _masked_step(model, x, comp, lambda: list(packed_shapes))
     assert in_forward == [(1, 64, 48, 48)]  # the stem's ReLU, the only one outside a region
     assert packed_shapes == in_forward  # the recomputations pack nothing either

@@ -131,7 +131,7 @@ def test_a_copy_shared_by_several_saved_tensors_comes_back_once():
     off = Offloader(CPU, CPU, min_bytes=0)
     copies_back = []
     copy_back = off._copy_back
-    off._copy_back = lambda host, device, event: copies_back.append(1) or copy_back(host, device, event)
+    off._copy_back = lambda *args: copies_back.append(1) or copy_back(*args)
     t = torch.randn(64, 64)
     packed = [off.pack(t) for _ in range(3)]  # one host copy, three uses
     assert packed[0] is packed[1] is packed[2]

@@ -14,9 +14,10 @@ between forward and backward) and backpropagates the owned rows only:
 - `_Stats` k: mean_k = sum(z)/N and var_k = sum((z - mean_k)^2)/N, so dL/dz = g_mean/N +
   g_var * 2 (z - mean_k) / N (the path through mean_k in var_k vanishes: sum(z - mean_k) = 0).
 Each yields gradients for the input strips (added into one full-size gradient per input that
-all the region's Functions share: `Sweep`), for the earlier statistics and for the parameters. With K BatchNorms computed in a region, a training
-step runs K + 1 forward sweeps and K + 1 backward sweeps of that region, and nothing of full size
-other than the region's inputs and output is alive at any time.
+all the region's Functions share: `Sweep`), for the earlier statistics and for the parameters.
+With K BatchNorms computed in a region, a training step runs K + 1 forward sweeps and K + 1
+backward sweeps of that region, and nothing of full size other than the region's inputs, their
+gradients and the output is alive at any time.
 
 Numerics: tile statistics are merged with Chan's parallel formula in float32 (float64 for a
 float64 model); normalisation (fused with the ReLU after it: memstudy/tiling/norm.py) runs in
