@@ -144,20 +144,22 @@ def test_split_rows_uneven_and_by_rows():
         split_rows(4, tiles=5)
 
 
-def test_training_loop_validation_tiled_equals_untiled():
+@pytest.mark.parametrize("techniques, levels", [([], 3), (["invertible"], 2)])
+def test_training_loop_validation_tiled_equals_untiled(techniques, levels):
     """train._evaluate goes through the tiled forward (train.val_tile_rows) and gives the same
-    validation figures as the untiled forward (val_tile_rows = 0)."""
+    validation figures as the untiled forward (val_tile_rows = 0); with invertible, whose
+    momentum blocks replace the layer1 that levels=3 tiles, at levels=2."""
     from conftest import small_config
 
     from memstudy.datasets import build_datasets
     from memstudy.techniques.compose import build_pipeline, make_plan
     from memstudy.train import _evaluate
 
-    cfg = small_config(size=200, val_tile_rows=32)  # padded to 224 rows: 7 strips
+    cfg = small_config(size=200, val_tile_rows=32, techniques=techniques)  # 224 rows: 7 strips
     build = build_pipeline(make_plan(cfg))
     _, val_set = build_datasets(cfg.data, cfg.train.image_size, cfg.train.batch_size)
     tiled = _evaluate(build, val_set)
-    assert build.notes["val_tiling"] == "tiled: levels=3, rows=32"
+    assert build.notes["val_tiling"] == f"tiled: levels={levels}, rows=32"
     cfg.train.val_tile_rows = 0
     plain = _evaluate(build, val_set)
     assert build.notes["val_tiling"].startswith("untiled")

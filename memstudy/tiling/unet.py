@@ -50,6 +50,15 @@ def named_modules(unet: nn.Module, levels: int) -> dict[str, nn.Module]:
     return found
 
 
+def plain_layer1(unet: nn.Module) -> bool:
+    """layer1 is ResNet-34's three BasicBlocks, as levels=3 tiles them (invertible replaces them
+    with momentum blocks)."""
+    units = list(unet.encoder.layer1)
+    return len(units) == LAYER1_BLOCKS and all(
+        all(hasattr(u, n) for n in ("conv1", "bn1", "conv2", "bn2", "downsample"))
+        and u.downsample is None for u in units)
+
+
 def check_model(unet: nn.Module, levels: int) -> None:
     """Refuse anything the walks do not reproduce exactly."""
     enc, blocks, head = unet.encoder, unet.decoder_blocks, unet.head
@@ -64,10 +73,7 @@ def check_model(unet: nn.Module, levels: int) -> None:
     convs = [f"block{i}.conv{k}" for i in range(LAST_BLOCK + 1 - levels, LAST_BLOCK + 1)
              for k in (1, 2)]
     if levels >= 3:
-        units = list(enc.layer1)
-        if len(units) != LAYER1_BLOCKS or any(
-                not all(hasattr(u, n) for n in ("conv1", "bn1", "conv2", "bn2", "downsample"))
-                or u.downsample is not None for u in units):
+        if not plain_layer1(unet):
             raise ConfigError("tile:levels=3 tiles layer1, which is not ResNet-34's three "
                               "BasicBlocks here (invertible replaces them with momentum blocks); "
                               "use tile:levels=2 or drop invertible")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from memstudy.tiling.levels import VALIDATION_LEVELS
-from memstudy.tiling.unet import TiledForward
+from memstudy.tiling.unet import TiledForward, plain_layer1
 
 
 def find_unet(model: nn.Module) -> nn.Module | None:
@@ -28,14 +28,20 @@ def find_unet(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def validation_levels(unet: nn.Module) -> int:
+    """VALIDATION_LEVELS, or 2 where layer1 is not what levels=3 tiles (invertible's momentum
+    blocks): exact either way, the 1/4-res level then runs untiled."""
+    return VALIDATION_LEVELS if plain_layer1(unet) else 2
+
+
 @contextlib.contextmanager
 def forward_padded_as(unet: nn.Module, rows: int):
     """Within: `unet`'s forward_padded is the tiled one (rows > 0) or the untiled one (0)."""
     had = "forward_padded" in vars(unet)
     previous = vars(unet).get("forward_padded")
     # keep="none": in eval mode there are no statistics sweeps to save, only boundaries to hold
-    unet.forward_padded = (TiledForward(unet, VALIDATION_LEVELS, rows=rows, keep="none") if rows
-                           else type(unet).forward_padded.__get__(unet))
+    unet.forward_padded = (TiledForward(unet, validation_levels(unet), rows=rows, keep="none")
+                           if rows else type(unet).forward_padded.__get__(unet))
     try:
         yield
     finally:
@@ -52,5 +58,6 @@ def validation_forward(model: nn.Module, x: torch.Tensor, rows: int) -> tuple[to
         return model(x), "untiled (the model is split across devices or stages)"
     with forward_padded_as(unet, rows):
         out = unet(x)  # wrappers bypassed: an eval forward needs no DDP sync nor compilation
-    how = f"tiled: levels={VALIDATION_LEVELS}, rows={rows}" if rows else "untiled (val_tile_rows=0)"
+    how = (f"tiled: levels={validation_levels(unet)}, rows={rows}" if rows
+           else "untiled (val_tile_rows=0)")
     return out, how
