@@ -102,20 +102,21 @@ class Sweep:
 
     Every Function of a region (K `_Stats` and one `_Apply`) backpropagates into the same
     full-size inputs. Returning one full-size gradient each would keep two of them alive while
-    autograd sums them (at full resolution, 16 channels of 4188 x 4188 in bf16: 561 MB more at
-    the backward's peak), so they add into one buffer per input instead, and the Function whose
+    autograd sums them (at full resolution, 16 channels of 4192 x 4192 (4188 padded) in bf16:
+    562 MB more at the backward's peak), so they add into one buffer per input instead, and the Function whose
     backward runs last returns it (the others return None for that input)."""
     region: Region
     tiles: list[Tile]
     autocast: tuple[str, bool, torch.dtype]
     recording: bool = False  # the forward ran with grad enabled: backward will follow
-    input_grads: list = field(default_factory=list)  # per input: the shared buffer, or None
-    pending: list = field(default_factory=list)  # per input: Functions yet to add into it
+    input_grads: list = field(init=False)  # per input: the shared buffer, or None
+    pending: list = field(init=False)  # per input: Functions yet to add into it
+
+    def __post_init__(self) -> None:
+        self.input_grads, self.pending = [None] * self.n_inputs, [0] * self.n_inputs
 
     def expect(self, needs: Sequence[bool]) -> None:
         """A Function was recorded whose backward will add into the inputs it `needs`."""
-        if not self.pending:
-            self.pending, self.input_grads = [0] * self.n_inputs, [None] * self.n_inputs
         if self.recording:
             for i in range(self.n_inputs):
                 self.pending[i] += bool(needs[i])
