@@ -45,8 +45,12 @@ restoring the CPU and CUDA random-number state around every region (`preserve_rn
 done only for regions holding a module that draws random numbers (dropout, RReLU); the
 U-Net's blocks draw none. The metadata check of every recomputed tensor
 (`determinism_check`) is off; the gradient tests against the plain model guard the
-recomputation instead. Both are per-region host work on the backward's critical path. Modules are not replaced (only `forward` of instances is
-patched), so parameter names and state_dict keys are unchanged. A run of `invertible`'s
+recomputation instead. Both are per-region host work on the backward's critical path.
+
+Each region's forward and recomputation run inside `runtime.checkpoint_region()` (a counter),
+so that ops which would spend work saving less (compress's ReLU sign masks) know that what they
+save here is discarded or short-lived. Modules are not replaced (only `forward` of instances
+is patched), so parameter names and state_dict keys are unchanged. A run of `invertible`'s
 momentum blocks is one region (not under `selective`); other blocks that are not plain ResNet
 blocks are left unwrapped and listed in the run's notes.
 """
