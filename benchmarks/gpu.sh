@@ -3,10 +3,10 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
-# TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
+# TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
 # OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS (e.g. "--sizes 2048")
 # replace a benchmark's arguments. Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
 set -uo pipefail
@@ -27,9 +27,16 @@ PY=python3
 nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
 $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))" | tee "$RES/env.txt"
 
-# Databases carried from an earlier call (.carry/*.sqlite) are resumed: recorded cells are skipped.
-[ -d .carry ] && cp .carry/*.sqlite "$RES/" 2>/dev/null
-[ -d .carry/dist ] && mkdir -p "$RES/distributed" && cp .carry/dist/*.sqlite "$RES/distributed/" 2>/dev/null
+# Databases carried from an earlier call are resumed (recorded cells are skipped): .carry/*.sqlite
+# into $RES, .carry/<dir>/*.sqlite into $RES/<dir> (e.g. .carry/compile/compile.sqlite for the
+# compile steps; .carry/dist is $RES/distributed, its old name).
+if [ -d .carry ]; then
+    cp .carry/*.sqlite "$RES/" 2>/dev/null
+    for dir in .carry/*/; do
+        name=$(basename "$dir"); [ "$name" = dist ] && name=distributed
+        mkdir -p "$RES/$name" && cp "$dir"*.sqlite "$RES/$name/" 2>/dev/null
+    done
+fi
 STEPS="${*:-tests foundation techniques techniques-loss maxres triaccel kernels}"
 DB="$RES/gpu.sqlite"
 for item in $STEPS; do
@@ -43,6 +50,8 @@ for item in $STEPS; do
         techniques) $PY benchmarks/bench_techniques.py --skip loss --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
         techniques-loss) $PY benchmarks/bench_techniques.py --skip memory --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques-loss.md" 2>&1 | tee "$RES/techniques-loss.log" ;;
         maxres) $PY benchmarks/bench_maxres.py --out "$RES/maxres" ${MAXRES_ARGS:-} 2>&1 | tee "$RES/maxres.log" ;;
+        # issue 11: maxres under 8 GiB with the best compile set only (each probe compiles its size)
+        maxres-compile) $PY -m memstudy --db "$RES/maxres-compile.sqlite" maxres --device cuda --budget 8GiB --step 256 --max-size 8192 ${MAXRESCOMPILE_ARGS:---sets amp:bf16,compile:memory_budget=0.5} 2>&1 | tee "$RES/maxres-compile.log" ;;
         accumulate) $PY benchmarks/bench_accumulate.py --out "$RES/accumulate" ${ACCUMULATE_ARGS:-} 2>&1 | tee "$RES/accumulate.log" ;;
         # Propulate + MPI from .whl/tune (benchmarks/tune_env.sh); the ranking is written even when the limit cuts the search
         tune-triaccel) . benchmarks/tune_env.sh; $PY -m memstudy --db "$RES/tune-triaccel.sqlite" tune benchmarks/specs/tune-triaccel.toml 2>&1 | tee "$RES/tune-triaccel.log"

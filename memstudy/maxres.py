@@ -279,6 +279,7 @@ def search_all(template: RunConfig, technique_sets: list[list[str]], db_path: st
                progress: Callable[[str], None] | None = None,
                step: int = GRID_PX) -> list[MaxresResult]:
     check_search_range(max_size, step)
+    check_sets(template, technique_sets, min(fit_sizes))
     results = []
     for techniques in technique_sets:
         if progress:
@@ -288,6 +289,16 @@ def search_all(template: RunConfig, technique_sets: list[list[str]], db_path: st
         store_result(db_path, template, result)
         results.append(result)
     return results
+
+
+def check_sets(template: RunConfig, technique_sets: list[list[str]], size: int) -> None:
+    """Refuse a bad set (unknown technique or option, impossible combination, no GPU for
+    train.device) before any probe: in a probe's process the error would only read as a probe
+    that left no record."""
+    from memstudy.techniques.compose import make_plan  # torch-heavy: only when searching
+
+    for techniques in technique_sets:
+        make_plan(probe_config(prepare_template(template), techniques, size))
 
 
 def _note(r: MaxresResult) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from memstudy.errors import ConfigError
-from memstudy.maxres import fit_line, maxres, predict_px, search, store_result
+from memstudy.maxres import fit_line, maxres, predict_px, search, search_all, store_result
 from memstudy.report import largest_size, memory_vs_resolution
 from memstudy.store import ResultsDB
 
@@ -61,6 +61,24 @@ def test_prediction_and_search_agree_on_the_cpu(make_config, tmp_path):
     assert (row["found_px"], row["predicted_px"], row["budget"]) == (256, result.predicted_px, "424MiB")
     assert row["peak_mb"] < 424 and row["step_time_s"] > 0
     assert {r["image_size"] for r in memory_vs_resolution(db)} == {192, 256, 320}
+
+
+@pytest.mark.parametrize("device, sets, named", [
+    ("cpu", [["amp:bf16"], ["amp:bf16", "bogus"]], "unknown technique 'bogus'"),
+    ("cpu", [["checkpoint:placement=everywhere"]], "placement"),
+    ("cuda", [["amp:bf16"]], "train.device = 'cuda'"),  # this test runs where no GPU is visible
+])
+def test_bad_sets_refused_before_any_probe(make_config, tmp_path, monkeypatch, device, sets, named):
+    """Every set is planned before the first probe: a probe's process would only have shown
+    'left no record', and the sets before the bad one would have run for nothing."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = make_config(192, max_steps=2, device=device)
+    cfg.budget = "424MiB"
+    with pytest.raises(ConfigError, match=named):
+        search_all(cfg, sets, tmp_path / "r.sqlite", [192, 256], isolate=False)
+    assert not (tmp_path / "r.sqlite").exists()
 
 
 def test_probes_measure_after_the_configs_warm_up(make_config):
