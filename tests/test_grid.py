@@ -292,3 +292,26 @@ def test_gpu_grid_gives_a_dp_cell_two_gpus(tmp_path):
     keys = ResultsDB(tmp_path / "r.sqlite").metrics(runs[2]["id"])
     assert {rank for rank, _ in keys} == {0, 1, -1, -2}
     assert {(0, "forward"), (1, "forward")} <= set(keys)  # each rank measured its step
+
+
+@pytest.mark.parametrize("path, device", [("examples/quick.toml", "cpu"), ("examples/gpu.toml", "cuda")])
+def test_shipped_grids_plan_on_the_device_they_name(path, device, monkeypatch):
+    """Every cell of the example grids (the quick study's included) passes make_plan for its
+    device, so a new set in them is not first refused on a GPU machine. Planned here for a
+    CUDA device without one: Triton's check needs a GPU, and is taken as passed."""
+    import copy
+
+    import torch
+
+    from memstudy.grid.spec import cell_config, load_spec
+    from memstudy.techniques.compose import make_plan
+    from memstudy.train import check_measurable
+
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: True)
+    spec = load_spec(Path(__file__).parents[1] / path)
+    assert spec.base["train"]["device"] == device
+    for techniques in spec.technique_sets:
+        for size in spec.image_sizes:
+            cfg = cell_config(spec, techniques, size, spec.batch_sizes[0], spec.seeds[0], 1)
+            make_plan(copy.deepcopy(cfg), device=torch.device(device), n_gpus=1)
+            check_measurable(cfg, cfg.data.train_images)
