@@ -11,8 +11,8 @@ starts, as they must. Each run: 2 warm-up steps (the first compiles), 1 measured
 batch 1, one phantom, no validation, channels_last and cudnn.benchmark on (memstudy's CUDA
 defaults), dynamic=False (the shapes never change).
 - part compile: amp:bf16+checkpoint (the reference), amp:bf16+compile at memory_budget
-  1.0 / 0.5 / 0.2 / 0.1, then amp:bf16 eager and amp:bf16+checkpoint+offload (compile refuses
-  checkpoint: the budget is its way to recompute);
+  1.0 / 0.5 / 0.2 / 0.1, then amp:bf16 eager and amp:bf16+checkpoint+offload, then compile
+  with checkpoint (block regions recomputed inside the compiled backward) at budget 1.0 and 0.5;
 - part allocator: amp:bf16+checkpoint(+offload) and amp:bf16 with expandable_segments,
   garbage_collection_threshold and max_split_size_mb.
 Compilation reuses Inductor's on-disk caches across the runs (TORCHINDUCTOR_CACHE_DIR, by
@@ -48,6 +48,7 @@ PARTS = {  # the most wanted rows first: a cut run keeps them
         REFERENCE, "amp:bf16,compile", "amp:bf16,compile:memory_budget=0.5",
         "amp:bf16,compile:memory_budget=0.2", "amp:bf16,compile:memory_budget=0.1",
         "amp:bf16", "amp:bf16,checkpoint,offload",
+        "amp:bf16,compile,checkpoint", "amp:bf16,compile:memory_budget=0.5,checkpoint",
     ],
     "allocator": [
         "amp:bf16,checkpoint", "amp:bf16,checkpoint,offload",

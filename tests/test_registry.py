@@ -201,7 +201,7 @@ PAIRS = {  # every pair of SPECS, in registry (composition) order
     ('checkpoint', 'compress'): OK,
     ('checkpoint', 'tile'): OK,
     ('checkpoint', 'offload'): OFFLOAD_REFUSED,
-    ('checkpoint', 'compile:backend=aot_eager'): 'compile with checkpoint is not supported',
+    ('checkpoint', 'compile:backend=aot_eager'): OK,
     ('checkpoint', 'daso'): DASO_REFUSED,
     ('checkpoint', 'dp'): DP_REFUSED,
     ('checkpoint', 'fsdp'): FSDP_REFUSED,

@@ -69,7 +69,7 @@ from segmentation_models_pytorch.encoders.resnet import ResNetEncoder
 from torch import nn
 from torch.ao.quantization import FakeQuantizeBase
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts, noop_context_fn)
+                                    create_selective_checkpoint_contexts)
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from memstudy.errors import ConfigError
@@ -169,11 +169,12 @@ def checkpointed_call(fn: Callable, modules: list[nn.Module], selective: bool, *
     if not torch.is_grad_enabled():  # validation: nothing is saved, nothing to recompute
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
-        # Under torch.compile, context_fn must return dispatch modes, and the compiled graph
-        # applies BatchNorm's buffer updates once (recomputation happens inside the graph).
-        # Not exercised by the CPU tests.
+        # Under torch.compile (`compile`), context_fn must return dispatch modes, and the
+        # compiled graph applies BatchNorm's buffer updates once (functionalized; the
+        # recomputation happens inside the compiled backward): no recompute context needed.
+        # tests/test_tech_compile.py checks gradients and running statistics against eager.
         context_fn = (functools.partial(create_selective_checkpoint_contexts, _save_convolutions)
-                      if selective else noop_context_fn)
+                      if selective else None)
     else:
         context_fn = functools.partial(_contexts, modules, selective)
         # the region's inputs are what it keeps for backward: compress / offload with
@@ -187,7 +188,9 @@ def checkpointed_call(fn: Callable, modules: list[nn.Module], selective: bool, *
     if not torch.compiler.is_compiling():  # host work per region that the U-Net does not need
         extra.update(preserve_rng_state=draws_random(modules), determinism_check="none")
         fn = functools.partial(_in_region, fn)
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **extra, **kwargs)
+    if context_fn is not None:  # TorchDynamo refuses noop_context_fn passed explicitly
+        extra["context_fn"] = context_fn
+    return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 
 
 def _in_region(fn: Callable, *args, **kwargs):

@@ -18,6 +18,15 @@ partitioner, and Inductor generates fused kernels (Triton on a GPU, C++/OpenMP o
   (docs/metrics.md). The first validation pass compiles the eval-mode graph; its time (and,
   under `max-autotune`, its autotuning buffers) are in the validation figures.
 
+With `checkpoint`, TorchDynamo captures each region as a checkpoint higher-order op and
+AOTAutograd tags its nodes for recomputation: the partitioner keeps only the region inputs
+(the convolution outputs too with `selective`) and recomputes the rest inside the compiled
+backward. BatchNorm's running-statistics update is a mutation that functionalization applies
+once, at the end of the forward graph, so the recomputation does not update them a second time
+(eager checkpoint needs its momentum-0 recompute context for that; tests/test_tech_compile.py
+compares gradients and running statistics with the plain eager model). `memory_budget` then
+acts on what remains outside the regions.
+
 How: `nn.Module.compile` compiles the model in place (same module, same parameter names, so
 the PARALLEL stage and the meters see the module they expect). offload's saved-tensor hooks
 act on what the compiled graph saves. The loss stays eager: memstudy's MS-SSIM loss notifies
@@ -29,7 +38,7 @@ Refused (with the reason in the message): combinations whose inputs change shape
 code changes between steps (tri_accel's elastic batch and per-unit precision, a last batch
 of another size, native image sizes: each would recompile inside the measured or timed
 steps, or silently fall back to eager after the recompile limit), structures it cannot trace
-faithfully here (checkpoint, invertible, quantization, mp, pipeline, fsdp; any technique not in
+faithfully here (invertible, quantization, mp, pipeline, fsdp; any technique not in
 COMPOSES_WITH is refused until verified), CUDA graphs where they
 cannot work (on the CPU, with offload's host copies), and a missing backend (no C++ compiler
 for Inductor on the CPU, no usable Triton on the GPU).
@@ -51,16 +60,13 @@ BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
 MINCUT_BACKENDS = ("inductor", "aot_eager_decomp_partition")
 # Techniques verified to compose with compile (tests/test_tech_compile.py, the registry
 # test and benchmarks/bench_compile.py); any other is refused by name.
-COMPOSES_WITH = ("amp", "offload", "dp", "zero", "allocator")
+COMPOSES_WITH = ("amp", "checkpoint", "offload", "dp", "zero", "allocator")
 # Why some cannot be compiled faithfully here.
 NOT_COMPOSABLE = {
     "tri_accel": "its elastic batch changes the input shape and its adaptive precision the "
                  "autocast of each unit between steps (each change recompiles inside timed "
                  "steps), and its curvature needs double backward, which compiled graphs do "
                  "not support",
-    "checkpoint": "its regions pass a context_fn (which restores BatchNorm statistics after "
-                  "recomputation) that TorchDynamo cannot trace; compile:memory_budget < 1 makes "
-                  "the partitioner recompute in backward instead",
     "invertible": "momentumnet's reversible blocks rebuild activations in a hand-written "
                   "autograd.Function backward; memstudy has not verified that a compiled "
                   "graph keeps what they save and their gradients",
@@ -146,6 +152,12 @@ def _check_meters(plan: Plan) -> None:
 
 
 def _check_combination(plan: Plan) -> None:
+    offload = plan.chosen.get("offload")
+    if offload is not None and offload.which == "boundaries":
+        raise ConfigError("compile with offload:which=boundaries: checkpoint marks its region "
+                          "inputs on the eager tensors, while the compiled graph saves tensors "
+                          "of its own, none marked, so nothing would be offloaded; use "
+                          "offload:which=all or drop compile")
     for name in plan.chosen:
         if name == "compile" or name in COMPOSES_WITH:
             continue
