@@ -51,8 +51,8 @@ batch, BatchNorm statistics restored): `grad_probe`.
 
 Composes with amp (16-bit activations: half the saving), checkpoint (what is still saved,
 region inputs at `boundary_bits`, is compressed; `which=boundaries` compresses only those), offload
-(chained after compress: fewer bytes cross PCIe), invertible. Refused with compile (its graphs
-do not run saved-tensor hooks on the tensors they save) and, for grad_probe, with pipeline
+(chained after compress: fewer bytes cross PCIe), invertible. Refused with compile (TorchDynamo
+traces the pack hook and recompiles it past its limit) and, for grad_probe, with pipeline
 (whose schedule replaces the runtime's forward / backward).
 """
 from __future__ import annotations
@@ -612,9 +612,13 @@ def check(opts: Options, plan: Plan) -> None:
                           "backward does not accept compressed saved tensors; drop one of "
                           "compress, quantization")
     if plan.has("compile"):
-        raise ConfigError("compress cannot be combined with compile: compiled graphs keep the "
-                          "tensors they save without running saved-tensor hooks, so nothing "
-                          "would be compressed; drop compile or compress")
+        # seen on the CPU (torch 2.14): the compiled graph's saved tensors do reach the hooks
+        # (offload relies on that), but TorchDynamo traces compress's pack hook and guards on
+        # each tensor's type and flags, recompiling until fail_on_recompile_limit_hit stops it
+        raise ConfigError("compress cannot be combined with compile: TorchDynamo traces "
+                          "compress's saved-tensor hooks and recompiles them for the saved "
+                          "tensors until its recompile limit stops the run; drop compile or "
+                          "compress")
     if opts.grad_probe:
         _check_probe(plan)
 
