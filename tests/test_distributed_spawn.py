@@ -166,8 +166,36 @@ def scenario_compositions(r):
     return out
 
 
+# compile with the distributed techniques it composes with: the same run with and without it
+# (aot_eager: the captured graphs without kernel generation, which would take minutes here)
+COMPILED = ["fsdp", "daso:node_size=1:warmup=1:cooldown=1:B=2"]
+COMPILED_STEPS = 5  # daso: one warm-up (blocking) step, cycling steps with a global send, one cool-down
+
+
+def scenario_compiled(r):
+    """Per-step losses of each set in COMPILED, eager and compiled, through execute()."""
+    from torch._dynamo.utils import counters
+
+    from memstudy.runner import execute
+
+    out = {}
+    for techniques in COMPILED:
+        for extra in ([], ["compile:backend=aot_eager"]):
+            cfg = small_config(SIZE, [*techniques.split(","), *extra], batch_size=BATCH,
+                               max_steps=COMPILED_STEPS, warmup_steps=1, measure_steps=1,
+                               validate=False)
+            cfg.world_size, cfg.meter.tensor = WORLD, "off"  # compile refuses the tensor meter
+            cfg.data.train_images = BATCH * COMPILED_STEPS
+            graphs = counters["stats"]["unique_graphs"]
+            rec = execute(cfg, None)
+            out[(techniques, bool(extra))] = (
+                rec.status, rec.error, [v for rank, _, n, v in rec.series if n == "loss" and rank == r],
+                counters["stats"]["unique_graphs"] - graphs)
+    return out
+
+
 SCENARIOS = [scenario_ddp, scenario_sharded, scenario_mp, scenario_pipeline, scenario_mp_training,
-             scenario_compositions]
+             scenario_compositions, scenario_compiled]
 if os.environ.get("DIST_SCENARIOS"):  # development: run a subset
     SCENARIOS = [s for s in SCENARIOS if s.__name__ in os.environ["DIST_SCENARIOS"].split(",")]
 
@@ -268,3 +296,15 @@ def test_study_combinations_train_on_two_ranks(ranks):
     for found in _get(ranks, "scenario_compositions"):
         for techniques in COMPOSITIONS:
             assert found[techniques] == ("ok", None, True), (techniques, found[techniques])
+
+
+@pytest.mark.parametrize("techniques", COMPILED)
+def test_compile_trains_with_distributed_techniques_as_eager_does(ranks, techniques):
+    """fsdp: one graph per FSDP unit (its hooks stay eager); daso: its averaging is outside
+    the graph. Same losses at every step, on both ranks, as the eager run."""
+    for found in _get(ranks, "scenario_compiled"):
+        (status, error, eager, _), (c_status, c_error, compiled, graphs) = (
+            found[(techniques, False)], found[(techniques, True)])
+        assert status == c_status == "ok", (error, c_error)
+        assert len(eager) == COMPILED_STEPS and graphs > 0, (eager, graphs)
+        assert compiled == pytest.approx(eager, rel=1e-5)

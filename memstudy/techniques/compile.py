@@ -27,6 +27,12 @@ once, at the end of the forward graph, so the recomputation does not update them
 compares gradients and running statistics with the plain eager model). `memory_budget` then
 acts on what remains outside the regions.
 
+With `fsdp`, fully_shard registers its hooks on the compiled module and on each U-Net block
+inside it; TorchDynamo does not trace FSDP's hooks (torch._dynamo.config.skip_fsdp_hooks), so
+the model runs as one graph per FSDP unit (15 on the U-Net), the all-gathers and
+reduce-scatters eager between them. `daso` averages parameters in its optimizer step, outside
+the compiled forward and backward.
+
 How: `nn.Module.compile` compiles the model in place (same module, same parameter names, so
 the PARALLEL stage and the meters see the module they expect). offload's saved-tensor hooks
 act on what the compiled graph saves. The loss stays eager: memstudy's MS-SSIM loss notifies
@@ -38,7 +44,7 @@ Refused (with the reason in the message): combinations whose inputs change shape
 code changes between steps (tri_accel's elastic batch and per-unit precision, a last batch
 of another size, native image sizes: each would recompile inside the measured or timed
 steps, or silently fall back to eager after the recompile limit), structures it cannot trace
-faithfully here (invertible, quantization, mp, pipeline, fsdp; any technique not in
+faithfully here (invertible, quantization, mp, pipeline; any technique not in
 COMPOSES_WITH is refused until verified), CUDA graphs where they
 cannot work (on the CPU, with offload's host copies), and a missing backend (no C++ compiler
 for Inductor on the CPU, no usable Triton on the GPU).
@@ -60,7 +66,7 @@ BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
 MINCUT_BACKENDS = ("inductor", "aot_eager_decomp_partition")
 # Techniques verified to compose with compile (tests/test_tech_compile.py, the registry
 # test and benchmarks/bench_compile.py); any other is refused by name.
-COMPOSES_WITH = ("amp", "checkpoint", "offload", "dp", "zero", "allocator")
+COMPOSES_WITH = ("amp", "checkpoint", "offload", "dp", "zero", "fsdp", "daso", "allocator")
 # Why some cannot be compiled faithfully here.
 NOT_COMPOSABLE = {
     "tri_accel": "its elastic batch changes the input shape and its adaptive precision the "
@@ -75,8 +81,6 @@ NOT_COMPOSABLE = {
     "mp": "model parallelism sends activations between devices or processes inside the "
           "forward, which the compiled graph would split at every transfer",
     "pipeline": "pipeline schedules run the stages themselves (torch.distributed.pipelining)",
-    "fsdp": "FSDP2 needs torch.compile applied per block after fully_shard, whereas this "
-            "technique compiles the whole model before the PARALLEL stage",
 }
 
 
