@@ -23,7 +23,9 @@ that size (generated once, kept in $MEMSTUDY_CACHE or <out>/phantoms, read by th
 timing), one image, batch 1. Both time a step the same way: warm-up steps excluded,
 `torch.cuda.synchronize()` before and after, the step being forward + loss, backward,
 optimizer step, zero_grad and `loss.item()` (batch preparation is outside the timed step in
-both). The ratio memstudy / loop is the harness's overhead on what a user gets for free
+both). Each row measures the loop, the lean loop and memstudy in turn, --repeats rounds
+(default 2), and takes for each side the mean of its rounds' medians, so that the GPU warming
+over a row does not favour whichever side runs first. The ratio memstudy / loop is the harness's overhead on what a user gets for free
 (target: within 2%). Rows are printed, and overhead.md / overhead.json rewritten, as each
 finishes, so a run cut by a time limit keeps what it measured.
 
@@ -149,7 +151,9 @@ def markdown(rows: list[dict], gpu: str, complete: bool) -> str:
     lines = [f"# memstudy's plain step vs a hand-written loop ({gpu})", "",
              f"torch {torch.__version__}, CUDA {torch.version.cuda}; batch 1, the same phantom on "
              "both sides; median of the timed steps after warm-up, synchronised "
-             "(benchmarks/bench_overhead.py). Ratio = memstudy / loop (target <= 1.02). "
+             "(benchmarks/bench_overhead.py); loop, lean loop and memstudy measured in turn, "
+             "each side's step the mean of its rounds' medians (rounds in overhead.json). "
+             "Ratio = memstudy / loop (target <= 1.02). "
              "Lean loop: checkpoint with preserve_rng_state=False, determinism_check='none'."
              + ("" if complete else " **Incomplete: cut before every row ran.**"), "",
              "| set | px | loop step ms | lean loop ms | memstudy step ms | ratio | "
@@ -186,14 +190,32 @@ def write(out: Path, rows: list[dict], complete: bool) -> str:
     return text
 
 
-def measure_row(name: str, size: int, pair, args, cache_dir: str) -> dict:
+def pooled(runs: list[dict]) -> dict:
+    """Several measurements of one side as one: the mean of their median step times (each
+    repeat's value kept), the highest peak; other fields from the first."""
+    times = [r["step_time_s"] for r in runs]
+    peaks = [r["peak_alloc_bytes"] for r in runs if r.get("peak_alloc_bytes")]
+    return {**runs[0], "step_time_s": statistics.fmean(times), "repeat_step_times_s": times,
+            "peak_alloc_bytes": max(peaks) if peaks else None}
+
+
+def measure_row(name: str, size: int, pair, args, cache_dir: str,
+                loop_timer=time_loop, memstudy_timer=time_memstudy) -> dict:
+    """Loop, lean loop and memstudy measured in turn, `args.repeats` rounds, so that a drift of
+    the GPU's clocks or temperature over the row falls on every side alike (in session 5 the
+    loop always ran first)."""
     techniques = SETS[name]
-    loop = time_loop(pair, techniques, args.warmup, args.steps)
-    lean = (time_loop(pair, techniques, args.warmup, args.steps, lean=True)
-            if "checkpoint" in techniques else None)
-    ours = time_memstudy(size, techniques, args.warmup, args.steps, cache_dir)
-    return {"set": name, "size": size, "loop": loop, "lean": lean, "memstudy": ours,
-            "ratio": ours["step_time_s"] / loop["step_time_s"]}
+    sides: dict[str, list[dict]] = {"loop": [], "lean": [], "memstudy": []}
+    for _ in range(args.repeats):
+        sides["loop"].append(loop_timer(pair, techniques, args.warmup, args.steps))
+        if "checkpoint" in techniques:
+            sides["lean"].append(loop_timer(pair, techniques, args.warmup, args.steps, lean=True))
+        sides["memstudy"].append(memstudy_timer(size, techniques, args.warmup, args.steps,
+                                                cache_dir))
+    loop, ours = pooled(sides["loop"]), pooled(sides["memstudy"])
+    return {"set": name, "size": size, "loop": loop, "memstudy": ours,
+            "lean": pooled(sides["lean"]) if sides["lean"] else None,
+            "repeats": args.repeats, "ratio": ours["step_time_s"] / loop["step_time_s"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,11 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per side (the first "
                                                          "autotunes cuDNN)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per side")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="rounds of loop / lean loop / memstudy per row, in turn; each side's "
+                        "step time is the mean of its rounds' medians")
     args = p.parse_args(argv)
     plan = parse_plan(args.plan, args.sizes, args.sets)
     unknown = sorted({n for _, names in plan for n in names} - set(SETS))
     if unknown:
         p.error(f"unknown set(s) {unknown}; choose among {list(SETS)}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1 (got {args.repeats})")
     if not torch.cuda.is_available():
         print("bench_overhead needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -173,3 +173,35 @@ def test_overhead_plan_gives_each_size_its_sets():
         (2048, ["original", "amp:bf16"]), (4160, ["amp:bf16+checkpoint"])]
     assert bench_overhead.parse_plan(None, "2048,4160", "amp:bf16") == [
         (2048, ["amp:bf16"]), (4160, ["amp:bf16"])]
+
+
+def test_bench_overhead_alternates_the_sides_and_pools_their_rounds():
+    """Rounds run loop, lean loop, memstudy in turn; each side's figure is the mean of its
+    rounds' medians, and the ratio is memstudy's over the loop's (timers stubbed: no GPU)."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import bench_overhead
+
+    order, loop_times, ours_times = [], iter([0.10, 0.12, 0.20, 0.22]), iter([0.105, 0.125])
+
+    def loop_timer(pair, techniques, warmup, steps, lean=False):
+        order.append("lean" if lean else "loop")
+        return {"step_time_s": next(loop_times), "peak_alloc_bytes": 5 if lean else 7}
+
+    def memstudy_timer(size, techniques, warmup, steps, cache_dir):
+        order.append("memstudy")
+        return {"step_time_s": next(ours_times), "peak_alloc_bytes": 9}
+
+    args = argparse.Namespace(repeats=2, warmup=1, steps=3)
+    row = bench_overhead.measure_row("amp:bf16+checkpoint", 2048, None, args, "",
+                                     loop_timer=loop_timer, memstudy_timer=memstudy_timer)
+    assert order == ["loop", "lean", "memstudy"] * 2
+    assert row["loop"]["repeat_step_times_s"] == [0.10, 0.20]
+    assert row["lean"]["repeat_step_times_s"] == [0.12, 0.22]
+    assert row["loop"]["step_time_s"] == pytest.approx(0.15)
+    assert row["memstudy"]["step_time_s"] == pytest.approx(0.115)
+    assert row["ratio"] == pytest.approx(0.115 / 0.15)
+    assert row["loop"]["peak_alloc_bytes"] == 7 and row["repeats"] == 2
