@@ -7,6 +7,13 @@ VENV="${MEMSTUDY_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 if ! "$PY" -c "import memstudy, torchvision, segmentation_models_pytorch, nbclient" 2>/dev/null; then
     echo "dev/env.sh: creating $VENV (first run: downloads torch, a few GB)" >&2
+    # torch's CUDA build and its libraries take about 6 GB installed: say so up front, since
+    # pip reports a full disk only at the end, as "[Errno 28] No space left on device"
+    free_kb=$(df -Pk "$(dirname "$VENV")" | awk 'NR == 2 {print $4}')
+    if [ -n "$free_kb" ] && [ "$free_kb" -lt $((7 * 1024 * 1024)) ]; then
+        echo "dev/env.sh: warning: $((free_kb / 1024)) MB free under $(dirname "$VENV"); the" \
+             "environment needs about 6 GB (set MEMSTUDY_VENV to a folder on a larger disk)" >&2
+    fi
     python3 -m venv "$VENV"
     "$PY" -m pip install -q --upgrade pip
     "$PY" -m pip install -q -e "$ROOT[test]"
