@@ -65,7 +65,8 @@ BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
 # Backends whose partition is the min-cut one, where activation_memory_budget applies.
 MINCUT_BACKENDS = ("inductor", "aot_eager_decomp_partition")
 # Techniques verified to compose with compile (tests/test_tech_compile.py, the registry
-# test and benchmarks/bench_compile.py); any other is refused by name.
+# test, tests/test_distributed_spawn.py for fsdp / daso, benchmarks/bench_compile.py); any
+# other is refused by name.
 COMPOSES_WITH = ("amp", "checkpoint", "offload", "dp", "zero", "fsdp", "daso", "allocator")
 # Why some cannot be compiled faithfully here.
 NOT_COMPOSABLE = {
