@@ -140,6 +140,17 @@ def test_boundary_offload_is_refused_with_compile(monkeypatch):
     make_plan(cfg, device=torch.device("cuda"), n_gpus=1)
 
 
+def test_fsdp_with_checkpoint_is_refused_with_compile():
+    """Each pair trains (tests/test_distributed_spawn.py, this file); the three together hit
+    TorchDynamo's recompile limit in the first step, so they are refused before building."""
+    cfg = cpu_config(["compile:backend=aot_eager", "fsdp", "checkpoint"], batch_size=2)
+    cfg.world_size = 2
+    with pytest.raises(ConfigError, match="compile with fsdp and checkpoint together"):
+        make_plan(cfg)
+    cfg.techniques = ["compile:backend=aot_eager", "fsdp"]
+    make_plan(cfg)
+
+
 def _step_in_float64(model):
     """One forward + backward of the smooth loss on the fixed batch: gradients, the bytes of
     the distinct storages saved for backward, and the buffers (BatchNorm running statistics)."""

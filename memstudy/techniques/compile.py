@@ -163,6 +163,13 @@ def _check_combination(plan: Plan) -> None:
                           "inputs on the eager tensors, while the compiled graph saves tensors "
                           "of its own, none marked, so nothing would be offloaded; use "
                           "offload:which=all or drop compile")
+    if plan.has("fsdp") and plan.has("checkpoint"):
+        # seen on two gloo processes: FSDP's hooks break the graph at every block, so each
+        # checkpointed block's forward is a frame of its own, and these share one code object
+        raise ConfigError("compile with fsdp and checkpoint together: FSDP's hooks split the "
+                          "graph at every block, and the checkpointed blocks' forwards (one "
+                          "code object) recompile per block past TorchDynamo's recompile limit; "
+                          "drop one of compile, fsdp, checkpoint")
     for name in plan.chosen:
         if name == "compile" or name in COMPOSES_WITH:
             continue
