@@ -140,6 +140,29 @@ def test_boundary_offload_is_refused_with_compile(monkeypatch):
     make_plan(cfg, device=torch.device("cuda"), n_gpus=1)
 
 
+def test_a_recompilation_after_warm_up_stops_the_run():
+    """One warm-up step; the next training forward of the same shape reuses the graph, a
+    validation (eval-mode) forward may compile its own, a new shape in training fails by name."""
+    from types import SimpleNamespace
+
+    from memstudy.techniques.compose import build_pipeline
+
+    build = build_pipeline(make_plan(cpu_config(["compile:backend=aot_eager"])))
+    rt, model = build.runtime, build.model
+    x, y = _batch()
+    rt.forward(model, x, y)  # step 1 (warm-up): compiles
+    for hook in rt.step_hooks:
+        hook(SimpleNamespace(step=1))
+    rt.forward(model, x, y)  # step 2, same shape: no new graph
+    model.eval()
+    with torch.no_grad():
+        rt.forward(model, x, y)  # a validation forward: its own graph, allowed
+    model.train()
+    small = torch.nn.functional.avg_pool2d(x, 2), torch.nn.functional.avg_pool2d(y, 2)
+    with pytest.raises(RuntimeError, match="captured 1 new graph.* step 2, after 1 warm-up"):
+        rt.forward(model, *small)
+
+
 def test_fsdp_with_checkpoint_is_refused_with_compile():
     """Each pair trains (tests/test_distributed_spawn.py, this file); the three together hit
     TorchDynamo's recompile limit in the first step, so they are refused before building."""

@@ -43,7 +43,8 @@ meter subscribes, so a compiled loss would be measured in another form than it i
 Refused (with the reason in the message): combinations whose inputs change shape or whose
 code changes between steps (tri_accel's elastic batch and per-unit precision, a last batch
 of another size, native image sizes: each would recompile inside the measured or timed
-steps, or silently fall back to eager after the recompile limit), structures it cannot trace
+steps, or silently fall back to eager after the recompile limit; whatever else recompiles
+after warm-up stops the run, `RecompileGuard`), structures it cannot trace
 faithfully here (invertible, quantization, mp, pipeline; any technique not in
 COMPOSES_WITH is refused until verified), CUDA graphs where they
 cannot work (on the CPU, with offload's host copies), and a missing backend (no C++ compiler
@@ -51,7 +52,9 @@ for Inductor on the CPU, no usable Triton on the GPU).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -241,9 +244,46 @@ def apply(opts: Options, build: Build) -> None:
     if opts.backend == "inductor":
         kwargs["mode"] = opts.mode
     build.model.compile(**kwargs)
+    guard = RecompileGuard(build.model, build.config.train.warmup_steps)
+    build.runtime.forward_contexts.append(guard.forward)
+    build.runtime.step_hooks.append(guard.on_step)
     build.notes["compile"] = {"mode": opts.mode, "memory_budget": opts.memory_budget,
                               "dynamic": opts.dynamic, "fullgraph": opts.fullgraph,
                               "backend": opts.backend}
+
+
+def compiled_graphs() -> int:
+    """Graphs TorchDynamo has captured in this process (first compilations and recompilations)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+class RecompileGuard:
+    """Fails a training forward after warm-up in which TorchDynamo captured a new graph.
+
+    The checks refuse what is known to change shapes or code between steps; this catches the
+    rest (a guard that fails on some flag or attribute): below Dynamo's recompile limit a
+    recompilation is silent, and its compile time would land in a measured or timed step.
+    Validation forwards (eval mode, compiled once at the first validation) are not checked."""
+
+    def __init__(self, model: torch.nn.Module, warmup_steps: int):
+        self.model, self.warmup_steps, self.steps_done = model, warmup_steps, 0
+
+    def on_step(self, info) -> None:
+        self.steps_done = info.step
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        before = compiled_graphs()
+        yield
+        new = compiled_graphs() - before
+        if new and self.model.training and self.steps_done >= self.warmup_steps:
+            raise RuntimeError(
+                f"compile: TorchDynamo captured {new} new graph(s) in the forward of step "
+                f"{self.steps_done + 1}, after {self.warmup_steps} warm-up step(s): a "
+                "recompilation inside the measured steps (set TORCH_LOGS=recompiles to see "
+                "which guard failed); the run stops rather than time compilation as training")
 
 
 register(Technique("compile", Stage.COMPILE, Options,
