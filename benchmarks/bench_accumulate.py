@@ -5,12 +5,13 @@
 At each size, one effective batch B (default 8) trained four ways: batch B (k = 1), and
 batch B/k with `accumulate:k` for k = 2, 4, 8 (the same images per optimizer step, the same
 optimizer steps: 16 phantoms x 3 epochs = 6 optimizer steps, 2 warm-up + 2 measured, 3
-validations for the time to target). Rows are
-printed and accumulate.md rewritten as each run ends, so a run cut by a time limit leaves the
-rows it finished. Synthetic phantoms, every row with the --base set (default amp:bf16; the tuned baseline's
-channels_last / cuDNN autotuning as resolved for CUDA), `--epochs` epochs validated after each, train.target_val_loss
-= --target. Rows: peak memory (allocator, and NVML device level), step time, throughput,
-energy (NVML counter), time to target, validation loss; then memstudy's eq. 9 table
+validations for the time to target). Rows are printed and accumulate.md rewritten as each
+run ends, so a run cut by a time limit leaves the rows it finished. Synthetic phantoms, every
+row with the --base set (default amp:bf16; the tuned baseline's channels_last / cuDNN
+autotuning as resolved for CUDA), `--epochs` epochs validated after each,
+train.target_val_loss = --target. Rows: peak memory (allocator, and NVML device level), step
+time, throughput, energy (NVML counter), time to target, validation loss; then memstudy's eq. 9
+table
 (memstudy.report.accumulation: throughput / peak per k, k_optimal marked). Writes
 accumulate.sqlite and accumulate.md into --out. BatchNorm makes k > 1 train differently from
 batch B (per-micro-batch statistics; docs/techniques/accumulate.md), so the loss columns differ.

@@ -25,9 +25,10 @@ timing), one image, batch 1. Both time a step the same way: warm-up steps exclud
 optimizer step, zero_grad and `loss.item()` (batch preparation is outside the timed step in
 both). Each row measures the loop, the lean loop and memstudy in turn, --repeats rounds
 (default 2), and takes for each side the mean of its rounds' medians, so that the GPU warming
-over a row does not favour whichever side runs first. The ratio memstudy / loop is the harness's overhead on what a user gets for free
-(target: within 2%). Rows are printed, and overhead.md / overhead.json rewritten, as each
-finishes, so a run cut by a time limit keeps what it measured.
+over a row does not favour whichever side runs first. The ratio memstudy / loop is the
+harness's overhead on what a user gets for free (target: within 2%). Rows are printed, and
+overhead.md / overhead.json rewritten, as each finishes, so a run cut by a time limit keeps
+what it measured.
 
 Per-size sets: --plan "2048=original,amp:bf16,amp:bf16+checkpoint;4160=amp:bf16+checkpoint"
 (default: every set at --sizes). On one H100: about 10-20 s per row at 2048 px and 20-40 s at

@@ -33,6 +33,7 @@ $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.de
 if [ -d .carry ]; then
     cp .carry/*.sqlite "$RES/" 2>/dev/null
     for dir in .carry/*/; do
+        [ -d "$dir" ] || continue  # no subfolder: the pattern itself
         name=$(basename "$dir"); [ "$name" = dist ] && name=distributed
         mkdir -p "$RES/$name" && cp "$dir"*.sqlite "$RES/$name/" 2>/dev/null
     done

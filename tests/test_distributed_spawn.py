@@ -169,14 +169,14 @@ def scenario_compositions(r):
 # compile with the distributed techniques it composes with: the same run with and without it
 # (aot_eager: the captured graphs without kernel generation, which would take minutes here)
 COMPILED = ["fsdp", "daso:node_size=1:warmup=1:cooldown=1:B=2"]
-COMPILED_STEPS = 5  # daso: one warm-up (blocking) step, cycling steps with a global send, one cool-down
+COMPILED_STEPS = 5  # daso: one warm-up (blocking) step, cycling steps with a global send, and
+#                     one cool-down
 
 
 def scenario_compiled(r):
     """Per-step losses of each set in COMPILED, eager and compiled, through execute()."""
-    from torch._dynamo.utils import counters
-
     from memstudy.runner import execute
+    from memstudy.techniques.compile import compiled_graphs
 
     out = {}
     for techniques in COMPILED:
@@ -186,11 +186,11 @@ def scenario_compiled(r):
                                validate=False)
             cfg.world_size, cfg.meter.tensor = WORLD, "off"  # compile refuses the tensor meter
             cfg.data.train_images = BATCH * COMPILED_STEPS
-            graphs = counters["stats"]["unique_graphs"]
+            graphs = compiled_graphs()
             rec = execute(cfg, None)
-            out[(techniques, bool(extra))] = (
-                rec.status, rec.error, [v for rank, _, n, v in rec.series if n == "loss" and rank == r],
-                counters["stats"]["unique_graphs"] - graphs)
+            losses = [v for rank, _, n, v in rec.series if n == "loss" and rank == r]
+            out[(techniques, bool(extra))] = (rec.status, rec.error, losses,
+                                              compiled_graphs() - graphs)
     return out
 
 

@@ -294,7 +294,8 @@ def test_gpu_grid_gives_a_dp_cell_two_gpus(tmp_path):
     assert {(0, "forward"), (1, "forward")} <= set(keys)  # each rank measured its step
 
 
-@pytest.mark.parametrize("path, device", [("examples/quick.toml", "cpu"), ("examples/gpu.toml", "cuda")])
+@pytest.mark.parametrize("path, device", [("examples/quick.toml", "cpu"),
+                                          ("examples/gpu.toml", "cuda")])
 def test_shipped_grids_plan_on_the_device_they_name(path, device, monkeypatch):
     """Every cell of the example grids (the quick study's included) passes make_plan for its
     device, so a new set in them is not first refused on a GPU machine. Planned here for a

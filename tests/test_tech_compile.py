@@ -10,6 +10,7 @@ from memstudy.config import MeterConfig
 from memstudy.errors import ConfigError
 from memstudy.meters import PhaseRecorder
 from memstudy.runner import execute
+from memstudy.techniques.compile import compiled_graphs
 from memstudy.techniques.compose import make_plan
 
 # Tolerances. The check compiles the model in float64, where a correct graph matches eager
@@ -48,10 +49,6 @@ def _relative_l2(a: dict, b: dict) -> float:
     return (num / sum((g ** 2).sum() for g in b.values()) ** 0.5).item()
 
 
-def _unique_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 def _measured_forward(build, dtype=torch.float64):
@@ -77,15 +74,15 @@ def test_compiled_step_runs_on_the_cpu_with_eager_gradients():
     build = build_pipeline(make_plan(cpu_config(["compile"])))  # resets Dynamo
     build.model.double()  # before the first call: the graphs are traced in float64
     compiled = _mse_grads(build.model, torch.float64)
-    assert _unique_graphs() > 0, "the model was not compiled"
+    assert compiled_graphs() > 0, "the model was not compiled"
     reference = _mse_grads(build_unet(None, seed=0).double(), torch.float64)  # same weights
     assert compiled.keys() == reference.keys()  # compiled in place: same parameter names
     assert _relative_l2(compiled, reference) <= GRAD_TOLERANCE
     # A measured step of the pipeline on the compiled model: the saved-tensor observer sees
     # what the compiled graph saves, and causes no recompilation.
-    graphs = _unique_graphs()
+    graphs = compiled_graphs()
     loss, forward = _measured_forward(build)
-    assert _unique_graphs() == graphs
+    assert compiled_graphs() == graphs
     assert forward["saved_bytes"] > 0
     eager = build_pipeline(make_plan(cpu_config([])))
     eager.model.double()
@@ -222,7 +219,7 @@ def test_compile_with_checkpoint_equals_the_plain_model(placement, plain_and_com
     (grads, _, buffers), (_, compiled_saved, _) = plain_and_compiled
     ours, saved, our_buffers = _compiled_step(["compile:backend=aot_eager_decomp_partition",
                                                f"checkpoint:{placement}"])
-    assert _unique_graphs() > 0, "the model was not compiled"
+    assert compiled_graphs() > 0, "the model was not compiled"
     assert _relative_l2(ours, grads) <= GRAD_TOLERANCE
     for name, value in buffers.items():
         torch.testing.assert_close(our_buffers[name], value, rtol=1e-12, atol=1e-12,

@@ -103,8 +103,9 @@ class Sweep:
     Every Function of a region (K `_Stats` and one `_Apply`) backpropagates into the same
     full-size inputs. Returning one full-size gradient each would keep two of them alive while
     autograd sums them (at full resolution, 16 channels of 4192 x 4192 (4188 padded) in bf16:
-    562 MB more at the backward's peak), so they add into one buffer per input instead, and the Function whose
-    backward runs last returns it (the others return None for that input)."""
+    562 MB more at the backward's peak), so they add into one buffer per input instead, and
+    the Function whose backward runs last returns it (the others return None for that
+    input)."""
     region: Region
     tiles: list[Tile]
     autocast: tuple[str, bool, torch.dtype]

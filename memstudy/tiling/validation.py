@@ -35,13 +35,14 @@ def validation_levels(unet: nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def forward_padded_as(unet: nn.Module, rows: int):
-    """Within: `unet`'s forward_padded is the tiled one (rows > 0) or the untiled one (0)."""
+def forward_padded_as(unet: nn.Module, rows: int, levels: int = VALIDATION_LEVELS):
+    """Within: `unet`'s forward_padded is the tiled one over `levels` (rows > 0) or the untiled
+    one (0)."""
     had = "forward_padded" in vars(unet)
     previous = vars(unet).get("forward_padded")
     # keep="none": in eval mode there are no statistics sweeps to save, only boundaries to hold
-    unet.forward_padded = (TiledForward(unet, validation_levels(unet), rows=rows, keep="none")
-                           if rows else type(unet).forward_padded.__get__(unet))
+    unet.forward_padded = (TiledForward(unet, levels, rows=rows, keep="none") if rows
+                           else type(unet).forward_padded.__get__(unet))
     try:
         yield
     finally:
@@ -56,8 +57,8 @@ def validation_forward(model: nn.Module, x: torch.Tensor, rows: int) -> tuple[to
     unet = find_unet(model)
     if unet is None:
         return model(x), "untiled (the model is split across devices or stages)"
-    with forward_padded_as(unet, rows):
+    levels = validation_levels(unet)
+    with forward_padded_as(unet, rows, levels):
         out = unet(x)  # wrappers bypassed: an eval forward needs no DDP sync nor compilation
-    how = (f"tiled: levels={validation_levels(unet)}, rows={rows}" if rows
-           else "untiled (val_tile_rows=0)")
+    how = f"tiled: levels={levels}, rows={rows}" if rows else "untiled (val_tile_rows=0)"
     return out, how
