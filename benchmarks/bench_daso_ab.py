@@ -23,6 +23,7 @@ from pathlib import Path
 
 from memstudy.config import RunConfig
 from memstudy.launch import run_distributed
+from memstudy.runner import eprint  # a module-level function: spawn pickles it
 
 
 def config(size: int, images: int, epochs: int, techniques: list[str], device: str) -> RunConfig:
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     for name, techs in variants:
         t0 = time.time()
         rec = run_distributed(config(args.size, args.images, args.epochs, techs, args.device), db,
-                              lambda m: print(m, file=sys.stderr, flush=True))
+                              eprint)
         epochs = [e for e in rec.epochs if e.get("rank", 0) == 0]
         run = {k: v for (r, phase, k, v) in rec.metrics if phase == "run" and r == 0}
         comm = dp_gradient_bytes() if name == "dp" else comm_per_step(rec, name)

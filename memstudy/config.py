@@ -195,6 +195,7 @@ class RunConfig:
 
     def check(self) -> None:
         check_fields(self)  # declared types first: the range checks compare typed values
+        self.check_weight_layout()
         self.train.check()
         self.meter.check()
         try:
@@ -211,6 +212,19 @@ class RunConfig:
             raise ConfigError(f"world_size must be >= 1 (got {self.world_size})")
         if self.encoder_weights and not Path(self.encoder_weights).is_file():
             raise ConfigError(f"encoder_weights file {self.encoder_weights!r} not found")
+
+    def check_weight_layout(self) -> None:
+        """channels_last (NHWC weights) off where a technique needs contiguous parameters."""
+        from memstudy.techniques import declaring
+
+        needs = declaring(self.techniques, "contiguous_weights") if self.techniques else []
+        if not needs:
+            return
+        if self.train.channels_last:
+            raise ConfigError(f"{needs[0]} needs contiguous parameters (FSDP2 shards no other), "
+                              "but train.channels_last = true stores convolution weights in NHWC; "
+                              "set train.channels_last = false or leave it unset")
+        self.train.channels_last = False  # the default with it, stored in the resolved config
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -71,6 +71,7 @@ def run_distributed(config, db_path: str | None, progress: Callable[[str], None]
         record = run_in_group(config, db_path, progress)
         return record if dist_rank_env() == 0 else None
     group_backend(config)  # refuse before spawning anything
+    _check_picklable(progress)
     with tempfile.TemporaryDirectory(prefix="memstudy-dist-") as tmp:
         result = Path(tmp) / "record.pkl"
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
@@ -79,6 +80,16 @@ def run_distributed(config, db_path: str | None, progress: Callable[[str], None]
                                     nprocs=config.world_size, join=True)
         with open(result, "rb") as fh:
             return pickle.load(fh)
+
+
+def _check_picklable(progress) -> None:
+    """spawn pickles its arguments: a lambda or closure would fail inside it, after setup."""
+    try:
+        pickle.dumps(progress)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise TypeError(f"run_distributed: the progress callback {progress!r} cannot be sent to "
+                        f"the spawned ranks ({exc}); pass a module-level function such as "
+                        "memstudy.runner.eprint") from None
 
 
 def dist_rank_env() -> int:

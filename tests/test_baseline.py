@@ -205,3 +205,26 @@ def test_bench_overhead_alternates_the_sides_and_pools_their_rounds():
     assert row["memstudy"]["step_time_s"] == pytest.approx(0.115)
     assert row["ratio"] == pytest.approx(0.115 / 0.15)
     assert row["loop"]["peak_alloc_bytes"] == 7 and row["repeats"] == 2
+
+
+def test_fsdp_resolves_channels_last_off_and_refuses_it_on():
+    """FSDP2 shards only contiguous parameters (channels_last weights failed its setup on
+    2 x H200, session 7): with fsdp on CUDA, unset channels_last resolves to off, on is refused."""
+    from memstudy.config import RunConfig
+
+    def fsdp_config(**train) -> RunConfig:
+        cfg = RunConfig(techniques=["fsdp"], world_size=2)
+        cfg.train.device, cfg.train.batch_size = "cuda", 2
+        for name, value in train.items():
+            setattr(cfg.train, name, value)
+        return cfg
+
+    unset = fsdp_config()
+    unset.check()
+    assert unset.train.channels_last is False and unset.train.cudnn_benchmark is True
+    with pytest.raises(ConfigError, match="fsdp needs contiguous parameters.*channels_last"):
+        fsdp_config(channels_last=True).check()
+    plain = RunConfig(world_size=1)
+    plain.train.device = "cuda"
+    plain.check()
+    assert plain.train.channels_last is True

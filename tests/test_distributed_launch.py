@@ -58,6 +58,19 @@ def test_run_refuses_a_batch_the_world_size_does_not_divide(tmp_path, capsys):
     assert ResultsDB(db).runs() == []  # refused before any process started
 
 
+def test_spawned_run_refuses_a_progress_callback_it_cannot_send(tmp_path, monkeypatch):
+    """spawn pickles the progress callback; a lambda (bench_daso_ab's, 2 x H200 session 7)
+    is refused by name before any process starts."""
+    from memstudy.config import RunConfig
+    from memstudy.launch import run_distributed
+
+    cfg = RunConfig(techniques=["dp"], world_size=2)
+    cfg.train.device, cfg.train.batch_size = "cpu", 2
+    monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *a, **k: pytest.fail("spawned"))
+    with pytest.raises(TypeError, match="module-level function"):
+        run_distributed(cfg, str(tmp_path / "r.sqlite"), lambda message: None)
+
+
 @pytest.mark.multigpu
 def test_nccl_ddp_on_two_gpus(tmp_path):
     rc, db = _run(tmp_path, "dp:backend=nccl,amp:bf16", "cuda")

@@ -124,6 +124,24 @@ def test_control_step_sets_unit_precisions_and_forward_dtypes(make_config):
     assert seen["encoder.layer2"] == torch.bfloat16 and seen["head"] == torch.bfloat16
 
 
+def test_validation_runs_untiled_in_each_units_precision(make_config):
+    """The tiled validation walk calls the blocks' layers itself, past tri_accel's per-unit
+    autocast (a bf16 output then met a float32 layer: H100 session 7); with precision on,
+    validation runs untiled, says why, and equals the model's own forward."""
+    from memstudy.datasets import build_datasets
+    from memstudy.train import _evaluate
+
+    build, ctrl = _controller(make_config, "tri_accel:low=bf16:curvature=off:elastic=off")
+    cfg = build.config
+    cfg.train.val_tile_rows = 32  # tiled validation asked for
+    ctrl.precision.levels.update({"stem": "bf16", "encoder.layer1": "fp32", "head": "bf16"})
+    _, val_set = build_datasets(cfg.data, cfg.train.image_size, cfg.train.batch_size)
+    result = _evaluate(build, val_set)
+    assert build.notes["val_tiling"].startswith("untiled (tri_accel:precision")
+    cfg.train.val_tile_rows = 0
+    assert _evaluate(build, val_set) == result
+
+
 @pytest.mark.parametrize("technique, match", [
     ("tri_accel", "low=bf16"),  # fp16 on the CPU is refused, naming the option
     ("tri_accel:low=bf16", "budget"),  # elastic on the CPU needs a budget to steer by

@@ -123,6 +123,8 @@ class Technique:
     sets_learning_rate: Fact = False  # a text saying how it sets the learning rate itself
     # (the training policy's schedule and scaling would fight it), or False
     compiles: Fact = False  # the first step compiles the model (its time is recorded apart)
+    contiguous_weights: Fact = False  # needs contiguous parameters (FSDP2 shards only those):
+    # train.channels_last then defaults to off, and on is refused (RunConfig.check)
 
     def value(self, fact: str, options: Any) -> Any:
         """A declared fact for these options."""

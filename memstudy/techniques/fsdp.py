@@ -75,4 +75,5 @@ def _overflow_synchronised(runtime):
 register(Technique("fsdp", Stage.PARALLEL, Options,
                    "FSDP2: parameters/gradients/optimizer state sharded (full) or "
                    "gradients/optimizer state sharded (grad_op)", apply, check,
-                   order=10, shards_batch=True, owns_process_group=True, splits_gradients=True))
+                   order=10, shards_batch=True, owns_process_group=True, splits_gradients=True,
+                   contiguous_weights=True))

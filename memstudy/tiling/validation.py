@@ -17,6 +17,12 @@ from memstudy.tiling.levels import VALIDATION_LEVELS
 from memstudy.tiling.unet import TiledForward, plain_layer1
 
 
+# A technique whose per-block forward wrappers the tiled walk would bypass (it calls the
+# blocks' layers itself) sets this attribute on the U-Net to the reason: validation then runs
+# untiled and records that reason (tri_accel:precision's per-unit autocast).
+UNTILED_REASON = "untiled_validation_reason"
+
+
 def find_unet(model: nn.Module) -> nn.Module | None:
     """The ContrastUNet inside DDP / torch.compile wrappers, or None (a split model)."""
     seen = 0
@@ -58,7 +64,9 @@ def validation_forward(model: nn.Module, x: torch.Tensor, rows: int) -> tuple[to
     if unet is None:
         return model(x), "untiled (the model is split across devices or stages)"
     levels = validation_levels(unet)
+    reason = getattr(unet, UNTILED_REASON, None) if rows else None
+    rows = 0 if reason else rows
     with forward_padded_as(unet, rows, levels):
         out = unet(x)  # wrappers bypassed: an eval forward needs no DDP sync nor compilation
-    how = f"tiled: levels={levels}, rows={rows}" if rows else "untiled (val_tile_rows=0)"
+    how = f"tiled: levels={levels}, rows={rows}" if rows else f"untiled ({reason or 'val_tile_rows=0'})"
     return out, how

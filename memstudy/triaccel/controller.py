@@ -27,6 +27,7 @@ from memstudy.triaccel.precision import (LEVELS, UnitPrecision, VarianceEMA, ass
                                          float_output)
 from memstudy.triaccel.control_units import unet_units
 from memstudy.bytesize import parse_bytes
+from memstudy.tiling.validation import UNTILED_REASON
 
 
 class TriAccelController:
@@ -44,6 +45,9 @@ class TriAccelController:
             self.precision = UnitPrecision(self.units, self.device.type, initial="bf16")
             self.ema = VarianceEMA(opts.beta)
             build.model.register_forward_hook(float_output)
+            # the tiled validation walk calls the blocks' layers itself, past the unit wrappers
+            setattr(build.model, UNTILED_REASON, "tri_accel:precision sets autocast per unit, "
+                    "which the tiled walk would bypass")
             if opts.low == "fp16":  # FP16 units may appear at any control step: scale the loss
                 self.rt.scaler = torch.amp.GradScaler(self.device.type)
         self._layout, self._curv_batch, self._capture = None, None, False
