@@ -28,7 +28,7 @@ step measured so the peak covers the whole run. Writes triaccel.sqlite and triac
 into --out: peak memory, time per epoch, validation quality, the efficiency score
 (memstudy.triaccel.score.run_efficiency, defined in docs/triaccel.md), GPU energy of the
 training loop (NVML) and the time to --target validation loss. Every row is printed and
-triaccel.md rewritten as its run ends, so a time limit leaves the rows done. Defaults: about
+triaccel.md rewritten as its run ends, so a time limit leaves the rows done. Defaults:
 a few minutes on one H100 (the stats part ~30 s, then 10 runs of 2 epochs x 24 phantoms).
 """
 from __future__ import annotations
