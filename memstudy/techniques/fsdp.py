@@ -22,6 +22,7 @@ from memstudy.distributed import context, p2p
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.tiling.validation import UNTILED_REASON
 
 
 @dataclass
@@ -56,6 +57,10 @@ def apply(opts: Options, build: Build) -> None:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     build.runtime.loss_fn = _overflow_synchronised(build.runtime)
+    # each block's parameters are gathered in the block's forward, which the tiled validation
+    # walk (it calls the blocks' layers itself) would bypass
+    setattr(model, UNTILED_REASON, "fsdp gathers a block's parameters in the block's forward, "
+            "which the tiled walk would bypass")
     build.notes["fsdp"] = {"mode": opts.mode, "units": len(blocks) + 1}
 
 
