@@ -22,7 +22,7 @@ Configurations (cumulative, as the paper's ablation):
 --tri-extra appends options to every tri_accel spec (e.g. thresholds found by
 `memstudy tune benchmarks/specs/tune-triaccel.toml`); --tuned DB appends the best recorded
 trial's tau_low / tau_high / tau_curv of that search (memstudy.tune_results.best_trials over
---tune-spec in DB), named with its run id in triaccel.md (gpu.sh step triaccel-tuned). Every run: synthetic phantoms, batch 1 to start, the same epochs, a budget of 16 GiB (the
+--tune-spec in DB), named with its run id in triaccel.md (gpu.sh step triaccel-tuned). Every run: synthetic phantoms, batch 1 to start, validation in float32, the same epochs, a budget of 16 GiB (the
 paper's T4/P100 cards, emulated by memstudy's allocator cap), every step after one warm-up
 step measured so the peak covers the whole run. Writes triaccel.sqlite and triaccel.md
 into --out: peak memory, time per epoch, validation quality, the efficiency score
@@ -67,6 +67,9 @@ def config(size: int, techniques: list[str], args) -> RunConfig:
     t.image_size, t.batch_size, t.epochs, t.device, t.seed = size, 1, args.epochs, "cuda", 0
     t.warmup_steps, t.measure_steps = 1, 10_000  # every step measured: a whole-run peak
     t.target_val_loss = args.target
+    # quality of the weights in every row alike: a float16 eval forward overflows while
+    # BatchNorm's running statistics lag (the elastic batch leaves few steps per epoch)
+    t.val_precision = "float32"
     cfg.data.train_images, cfg.data.val_images = args.train_images, 2
     return cfg
 
@@ -76,8 +79,7 @@ def main() -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--epochs", type=int, default=2)
-    # 24, not 8: with the elastic batch at 2-4 an epoch of 8 was ~4 steps, too few for
-    # BatchNorm's running statistics, and the float16 eval forward overflowed (H100 session 7)
+    # 24, not 8: with the elastic batch at 2-4 an epoch of 8 was ~4 steps (H100 session 7)
     p.add_argument("--train-images", type=int, default=24)
     p.add_argument("--target", type=float, default=0.4,
                    help="train.target_val_loss (1 - MS-SSIM) for time_to_target_s")
@@ -189,7 +191,8 @@ def stats_part(db: ResultsDB, args) -> str:
 def markdown(rows: list[dict], gpu: str, args) -> str:
     lines = [f"# Tri-Accel on the U-Net ({gpu})", "",
              f"torch {torch.__version__}, budget {args.budget}, {args.epochs} epochs of "
-             f"{args.train_images} synthetic phantoms, batch 1 at start. Score = Q / (T x M) x 100 "
+             f"{args.train_images} synthetic phantoms, batch 1 at start; validation in float32 "
+             f"(train.val_precision) in every row. Score = Q / (T x M) x 100 "
              f"(docs/triaccel.md). Energy: NVML counter over the training loop; time to target: "
              f"wall time until the validation loss first reached {args.target} (- never)."
              + (f" Every tri_accel spec + `{args.tri_extra}`" if args.tri_extra else "")

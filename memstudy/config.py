@@ -26,6 +26,7 @@ from memstudy.typecheck import check_fields, field_types, typed_value
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
+VAL_PRECISIONS = ("run", "float32")  # train.val_precision
 
 
 @dataclass
@@ -64,6 +65,11 @@ class TrainConfig:
     # half-resolution levels in row strips of this many rows (padded full-res rows, a multiple
     # of 4); 0 = untiled, for comparison. 512 keeps a 4188-px validation off the memory floor.
     val_tile_rows: int = 512
+    # Validation's forward precision: "run" (the run's own autocast / per-unit precision) or
+    # "float32" (autocast off, every precision technique's float32 path): the quality of the
+    # weights, apart from a float16 eval forward that overflows while BatchNorm's running
+    # statistics still lag (docs/metrics.md, "Validation precision").
+    val_precision: str = "run"
 
     def resolve_tuning(self) -> None:
         """Fill unset channels_last / cudnn_benchmark: on for CUDA, off on the CPU."""
@@ -117,6 +123,9 @@ class TrainConfig:
                               f"{self.loss_chunk_rows})")
         self.check_tuning()
         self.check_val_tiles()
+        if self.val_precision not in VAL_PRECISIONS:
+            raise ConfigError(f"train.val_precision {self.val_precision!r} unknown; choose one of "
+                              f"{VAL_PRECISIONS}")
         # train.lr_schedule / lr_scaling / clip_norm: policy.check_settings, run by make_plan
         # (the config layer imports nothing above it: tests/test_architecture.py)
 

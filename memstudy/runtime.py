@@ -101,6 +101,9 @@ class Runtime:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer]
     forward_contexts: list[Callable[[], ContextManager]] = field(default_factory=list)
+    # Entered (after autocast is turned off) for a float32 evaluation forward: techniques that
+    # set precision themselves, past autocast, put it back to float32 here (tri_accel's units).
+    float32_contexts: list[Callable[[], ContextManager]] = field(default_factory=list)
     # The chain of saved-tensor transforms (compress, offload), in composition order.
     saved_tensor_transforms: list[SavedTensorTransform] = field(default_factory=list)
     saved_tensor_observers: list[Callable[[Any], None]] = field(default_factory=list)

@@ -270,7 +270,8 @@ def validate(build: Build, val_set, recorder: PhaseRecorder, step: int = 0) -> d
     first = "validation" not in recorder.measured
     try:
         with recorder.step(measured=first, timed=False), recorder.phase("validation"):
-            result = _evaluate(build, val_set)
+            float32 = build.config.train.val_precision == "float32"
+            result = _evaluate(build, val_set, float32=float32)
     except Exception as exc:  # an OOM in validation is recorded as validation's, not setup's
         raise PhaseFailure("validation", step, exc) from exc
     if not math.isfinite(result["val_loss"]):
@@ -278,7 +279,9 @@ def validate(build: Build, val_set, recorder: PhaseRecorder, step: int = 0) -> d
     return result
 
 
-def _evaluate(build: Build, val_set, autocast: bool = True) -> dict[str, float]:
+def _evaluate(build: Build, val_set, float32: bool = False) -> dict[str, float]:
+    """Validation figures over `val_set`; `float32`: the forward in float32 (autocast off and
+    the techniques' float32 contexts), else in the run's own precision."""
     model, rt, cfg = build.model, build.runtime, build.config.train
     in_device = rt.input_device or build.device
     sums: dict[str, float] = {}
@@ -287,9 +290,7 @@ def _evaluate(build: Build, val_set, autocast: bool = True) -> dict[str, float]:
         for i in range(0, len(val_set), cfg.batch_size):
             x, y = make_batch(val_set, list(range(i, min(i + cfg.batch_size, len(val_set)))),
                               in_device, input_format(cfg))
-            # enabled=True would *set* autocast (default dtype), so only ever pass False
-            off = contextlib.nullcontext() if autocast else torch.autocast(in_device.type, enabled=False)
-            with rt.forward_context(), off:
+            with rt.forward_context(), _float32_forward(rt, in_device, float32):
                 # exact tiled eval forward (train.val_tile_rows; 0 = untiled), recorded in notes
                 out, build.notes["val_tiling"] = validation_forward(model, x, cfg.val_tile_rows)
             for k, v in quality(out, y.to(out.device), cfg.msssim_scales).items():
@@ -297,6 +298,15 @@ def _evaluate(build: Build, val_set, autocast: bool = True) -> dict[str, float]:
     finally:
         model.train()
     return {f"val_{k}": v / len(val_set) for k, v in sums.items()}
+
+
+def _float32_forward(rt, device: torch.device, on: bool) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    if on:  # enabled=True would *set* autocast (default dtype), so only ever pass False
+        stack.enter_context(torch.autocast(device.type, enabled=False))
+        for make in rt.float32_contexts:
+            stack.enter_context(make())
+    return stack
 
 
 def _float32_hint(build: Build, val_set) -> str | None:
@@ -307,14 +317,15 @@ def _float32_hint(build: Build, val_set) -> str | None:
     training-mode size; in float16 (max 65504) that overflows at large images although the
     weights are finite and train. Re-evaluating the same weights in float32 tells the two apart.
     """
-    if build.notes.get("autocast_dtype") != str(torch.float16):
+    float16 = build.runtime.scaler is not None  # amp:fp16, tri_accel's FP16 units
+    if not float16 or build.config.train.val_precision == "float32":
         return None
-    loss = _evaluate(build, val_set, autocast=False)["val_loss"]
+    loss = _evaluate(build, val_set, float32=True)["val_loss"]
     if not math.isfinite(loss):
         return None
     return (f"the same weights validate to {loss:.4f} in float32, so the float16 eval forward "
             "overflowed (BatchNorm running statistics not yet settled: train more steps before "
-            "validating, or use amp:bf16)")
+            "validating, validate in float32 with train.val_precision = float32, or use bf16)")
 
 
 def _epoch_line(r: dict, epochs: int) -> str:

@@ -41,6 +41,7 @@ def test_channels_last_is_applied_and_hashed_apart():
     ("cudnn_benchmark", True, "train.cudnn_benchmark = true needs a CUDA GPU"),
     ("channels_last", "yes", "train.channels_last must be true or false"),
     ("cudnn_benchmark", 1, "train.cudnn_benchmark must be true or false"),
+    ("val_precision", "fp16", "train.val_precision 'fp16' unknown"),
 ])
 def test_bad_tuning_settings_are_refused(setting, value, fragment):
     with pytest.raises(ConfigError, match=fragment):

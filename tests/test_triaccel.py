@@ -142,6 +142,25 @@ def test_validation_runs_untiled_in_each_units_precision(make_config):
     assert _evaluate(build, val_set) == result
 
 
+def test_float32_validation_forces_every_unit_to_fp32(make_config):
+    """train.val_precision = float32: tri_accel's units, which set autocast themselves, are
+    forced to fp32 in the eval forward (the same figures as every unit at fp32), while the
+    run's own precision (units at bf16) gives other figures."""
+    from memstudy.datasets import build_datasets
+    from memstudy.train import _evaluate
+
+    build, ctrl = _controller(make_config, "tri_accel:low=bf16:curvature=off:elastic=off")
+    cfg = build.config
+    _, val_set = build_datasets(cfg.data, cfg.train.image_size, cfg.train.batch_size)
+    ctrl.precision.levels.update({name: "bf16" for name in ctrl.precision.levels})
+    as_run = _evaluate(build, val_set)
+    float32 = _evaluate(build, val_set, float32=True)
+    assert set(ctrl.precision.levels.values()) == {"bf16"}  # forced only within the forward
+    ctrl.precision.levels.update({name: "fp32" for name in ctrl.precision.levels})
+    assert float32 == _evaluate(build, val_set)
+    assert float32["val_loss"] != as_run["val_loss"]
+
+
 @pytest.mark.parametrize("technique, match", [
     ("tri_accel", "low=bf16"),  # fp16 on the CPU is refused, naming the option
     ("tri_accel:low=bf16", "budget"),  # elastic on the CPU needs a budget to steer by

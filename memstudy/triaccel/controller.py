@@ -45,6 +45,7 @@ class TriAccelController:
             self.precision = UnitPrecision(self.units, self.device.type, initial="bf16")
             self.ema = VarianceEMA(opts.beta)
             build.model.register_forward_hook(float_output)
+            self.rt.float32_contexts.append(lambda: self.precision.forced("fp32"))
             # the tiled validation walk calls the blocks' layers itself, past the unit wrappers
             setattr(build.model, UNTILED_REASON, "tri_accel:precision sets autocast per unit, "
                     "which the tiled walk would bypass")
