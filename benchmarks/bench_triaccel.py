@@ -86,6 +86,8 @@ def main() -> int:
     p.add_argument("--budget", default="16GiB")
     p.add_argument("--parts", nargs="+", choices=("stats", "ablation"), default=["stats", "ablation"])
     p.add_argument("--stats-size", type=int, default=1024)
+    p.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=list(CONFIGS),
+                   help="ablation rows to run (default: all)")
     p.add_argument("--tri-extra", default="", help="options appended to every tri_accel spec")
     p.add_argument("--tuned", type=Path, help="a `memstudy tune` database: append its best "
                    "trial's settings to every tri_accel spec")
@@ -105,7 +107,8 @@ def main() -> int:
         return 0
     rows = []
     for size in args.sizes:
-        for name, techniques in CONFIGS.items():
+        for name in args.configs:
+            techniques = CONFIGS[name]
             techniques = [t + args.tri_extra if t.startswith("tri_accel") else t for t in techniques]
             t0 = time.perf_counter()
             rec = execute(config(size, techniques, args), db)
