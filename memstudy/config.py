@@ -27,6 +27,9 @@ from memstudy.typecheck import check_fields, field_types, typed_value
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
 VAL_PRECISIONS = ("run", "float32")  # train.val_precision
+# Settings added after results were recorded, left out of the config hash at their default
+# (what every earlier run did), so recorded grids, maxres probes and tune trials still resume.
+HASH_NEUTRAL_DEFAULTS = (("train", "val_precision", "run"),)
 
 
 @dataclass
@@ -242,6 +245,9 @@ class RunConfig:
         """Identity of what is measured: everything but the free-text label."""
         d = self.to_dict()
         d.pop("label")
+        for section, name, default in HASH_NEUTRAL_DEFAULTS:
+            if d[section].get(name) == default:
+                del d[section][name]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -229,3 +229,18 @@ def test_fsdp_resolves_channels_last_off_and_refuses_it_on():
     plain.train.device = "cuda"
     plain.check()
     assert plain.train.channels_last is True
+
+
+def test_a_setting_added_later_keeps_earlier_hashes_at_its_default():
+    """train.val_precision came after recorded runs: at its default ("run", what they did) the
+    hash is the one they were stored under, so they still resume; float32 hashes apart."""
+    import hashlib
+    import json
+
+    cfg = small_config()
+    before = cfg.to_dict()
+    before.pop("label")
+    del before["train"]["val_precision"]
+    digest = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
+    assert cfg.hash() == digest
+    assert small_config(val_precision="float32").hash() != digest

@@ -31,8 +31,13 @@ class Options:
     elastic: bool = field(default=True, metadata={"help": "memory-elastic batch size"})
     t_ctrl: int = field(default=10, metadata={"help": "control interval in optimizer steps"})
     beta: float = field(default=0.9, metadata={"help": "EMA factor of the gradient variance"})
-    tau_low: float = field(default=1e-6, metadata={"help": "variance below: lowest precision"})
-    tau_high: float = field(default=1e-3, metadata={"help": "variance from here: FP32"})
+    # tau_low / tau_high / tau_curv: the best of 10 trials of `memstudy tune
+    # benchmarks/specs/tune-triaccel.toml` on an H100, to 3 significant digits (run 8 of
+    # benchmarks/results/h100/session7/call4/results/tune-triaccel.sqlite; docs/triaccel.md)
+    tau_low: float = field(default=9.12e-8, metadata={
+        "help": "variance below: lowest precision (tuned by memstudy tune, docs/triaccel.md)"})
+    tau_high: float = field(default=4.29e-2, metadata={
+        "help": "variance from here: FP32 (tuned by memstudy tune, docs/triaccel.md)"})
     low: str = field(default="fp16", metadata={"choices": ("fp16", "bf16"),
                                                "help": "lowest tier (bf16 on the CPU)"})
     stats: str = field(default="auto", metadata={"choices": ("auto", "triton", "torch"),
@@ -50,7 +55,8 @@ class Options:
     top_k: int = field(default=1, metadata={"help": "Hessian eigenvalues per unit"})
     power_iters: int = field(default=5, metadata={"help": "power iterations per eigenvalue"})
     alpha: float = field(default=1.0, metadata={"help": "LR scale: eta0 / (1 + alpha lambda)"})
-    tau_curv: float = field(default=1.0, metadata={"help": "lambda_max above: promote to FP32"})
+    tau_curv: float = field(default=4.41, metadata={
+        "help": "lambda_max above: promote to FP32 (tuned by memstudy tune, docs/triaccel.md)"})
     rho_low: float = field(default=0.6, metadata={"help": "grow the batch below this fraction"})
     rho_high: float = field(default=0.85, metadata={"help": "shrink the batch above it"})
     delta_up: int = field(default=1, metadata={"help": "batch growth per control step"})

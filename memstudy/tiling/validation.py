@@ -68,5 +68,6 @@ def validation_forward(model: nn.Module, x: torch.Tensor, rows: int) -> tuple[to
     rows = 0 if reason else rows
     with forward_padded_as(unet, rows, levels):
         out = unet(x)  # wrappers bypassed: an eval forward needs no DDP sync nor compilation
-    how = f"tiled: levels={levels}, rows={rows}" if rows else f"untiled ({reason or 'val_tile_rows=0'})"
+    untiled = f"untiled ({reason or 'val_tile_rows=0'})"
+    how = f"tiled: levels={levels}, rows={rows}" if rows else untiled
     return out, how
