@@ -231,6 +231,25 @@ def test_fsdp_resolves_channels_last_off_and_refuses_it_on():
     assert plain.train.channels_last is True
 
 
+def test_an_elastic_batch_resolves_cudnn_benchmark_off_unless_set():
+    """Each new batch size is a new shape for cuDNN's autotuner, timed inside the epoch
+    (tri_accel's elastic batch, H100 session 7): unset resolves to off, explicit on stays."""
+    from memstudy.config import RunConfig
+
+    def tri(spec: str, **train) -> RunConfig:
+        cfg = RunConfig(techniques=[spec])
+        cfg.train.device = "cuda"
+        for name, value in train.items():
+            setattr(cfg.train, name, value)
+        cfg.check()
+        return cfg
+
+    assert tri("tri_accel").train.cudnn_benchmark is False
+    assert tri("tri_accel", cudnn_benchmark=True).train.cudnn_benchmark is True
+    assert tri("tri_accel:elastic=off").train.cudnn_benchmark is True
+    assert tri("tri_accel").train.channels_last is True
+
+
 def test_a_setting_added_later_keeps_earlier_hashes_at_its_default():
     """train.val_precision came after recorded runs: at its default ("run", what they did) the
     hash is the one they were stored under, so they still resume; float32 hashes apart."""

@@ -125,6 +125,8 @@ class Technique:
     compiles: Fact = False  # the first step compiles the model (its time is recorded apart)
     contiguous_weights: Fact = False  # needs contiguous parameters (FSDP2 shards only those):
     # train.channels_last then defaults to off, and on is refused (RunConfig.check)
+    varies_batch: Fact = False  # changes the batch size during the run: each new size is a new
+    # shape for cuDNN's autotuner, so train.cudnn_benchmark then defaults to off (RunConfig.check)
 
     def value(self, fact: str, options: Any) -> Any:
         """A declared fact for these options."""

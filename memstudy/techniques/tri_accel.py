@@ -127,4 +127,5 @@ def apply(opts: Options, build: Build) -> None:
 register(Technique("tri_accel", Stage.RUNTIME, Options,
                    "per-unit adaptive precision + curvature-scaled LR + elastic batch (Tri-Accel)",
                    apply, check, order=20,
-                   sets_learning_rate="sets every unit's learning rate at each control step"))
+                   sets_learning_rate="sets every unit's learning rate at each control step",
+                   varies_batch=lambda o: o.elastic))
