@@ -317,7 +317,9 @@ def _float32_hint(build: Build, val_set) -> str | None:
     training-mode size; in float16 (max 65504) that overflows at large images although the
     weights are finite and train. Re-evaluating the same weights in float32 tells the two apart.
     """
-    float16 = build.runtime.scaler is not None  # amp:fp16, tri_accel's FP16 units
+    # amp:fp16 (its note), tri_accel's FP16 units (they bring a loss scaler)
+    float16 = (build.notes.get("autocast_dtype") == str(torch.float16)
+               or build.runtime.scaler is not None)
     if not float16 or build.config.train.val_precision == "float32":
         return None
     loss = _evaluate(build, val_set, float32=True)["val_loss"]

@@ -167,8 +167,10 @@ class _Float16Overflow(torch.nn.Module):
 
 
 @pytest.mark.parametrize("finite_in_float32", [True, False])
+@pytest.mark.parametrize("float16_by", ["amp note", "loss scaler"])  # amp:fp16 / tri_accel
 def test_validation_overflow_in_float16_is_told_apart_from_diverged_weights(make_config,
-                                                                            finite_in_float32):
+                                                                            finite_in_float32,
+                                                                            float16_by):
     import functools
 
     from memstudy.datasets import build_datasets
@@ -182,7 +184,10 @@ def test_validation_overflow_in_float16_is_told_apart_from_diverged_weights(make
     # what amp:fp16 sets up on a GPU, here on the CPU (whose autocast also runs float16)
     build.model = _Float16Overflow(finite_in_float32)
     build.runtime.forward_contexts = [functools.partial(torch.autocast, "cpu", dtype=torch.float16)]
-    build.notes["autocast_dtype"] = str(torch.float16)
+    if float16_by == "amp note":
+        build.notes["autocast_dtype"] = str(torch.float16)
+    else:  # tri_accel's FP16 units set no autocast note but bring a loss scaler
+        build.runtime.scaler = torch.amp.GradScaler("cpu")
     _, val_set = build_datasets(cfg.data, 192)
     recorder = PhaseRecorder(build.device, build.model, build.runtime, lambda: None, cfg.meter)
     with pytest.raises(Diverged) as err:
