@@ -31,7 +31,7 @@ overhead.md / overhead.json rewritten, as each finishes, so a run cut by a time 
 what it measured.
 
 Per-size sets: --plan "2048=original,amp:bf16,amp:bf16+checkpoint;4160=amp:bf16+checkpoint"
-(default: every set at --sizes). On one H100: about 10-20 s per row at 2048 px and 20-40 s at
+(default: every set at --sizes). On one H100: about 30-60 s per row at 2048 px and 60-120 s at
 4160 px (float32 the slowest), plus the one-time phantom generation per size.
 """
 from __future__ import annotations
@@ -228,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                                   "(replaces --sizes / --sets)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per side (the first "
                                                          "autotunes cuDNN)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per side")
-    p.add_argument("--repeats", type=int, default=2,
+    # 24 x 3, not 8 x 2: at 2048 px amp:bf16 (46 ms steps, H100 session 7) the loop's own
+    # median moved 10% between two rounds of 8, five times the 2% being judged
+    p.add_argument("--steps", type=int, default=24, help="timed steps per side")
+    p.add_argument("--repeats", type=int, default=3,
                    help="rounds of loop / lean loop / memstudy per row, in turn; each side's "
                         "step time is the mean of its rounds' medians")
     args = p.parse_args(argv)
