@@ -236,7 +236,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from memstudy.tune import load_spec
     from memstudy.tune_propulate import run_tune
 
-    spec = load_spec(args.spec)  # refuses a bad spec before any trial runs
+    # refuses a bad spec before any trial runs; reading a recorded search (--best) plans
+    # nothing on the spec's device, so a GPU search can be read on any machine
+    spec = load_spec(args.spec, plan_corners=args.best is None)
     if args.check:
         print(f"spec ok: {len(spec.space)} setting(s) searched: {', '.join(spec.space)}")
         return 0

@@ -226,23 +226,31 @@ class RunConfig:
             raise ConfigError(f"encoder_weights file {self.encoder_weights!r} not found")
 
     def check_technique_settings(self) -> None:
-        """Run settings whose default a technique changes (only where unset; the resolved
-        config stores the value used): channels_last off where parameters must be contiguous
-        (on is refused), cudnn_benchmark off where the batch size changes during the run."""
+        """channels_last on is refused where parameters must be contiguous; then the
+        techniques' defaults (technique_defaults)."""
         from memstudy.techniques import declaring
 
-        if not self.techniques:
-            return
-        needs = declaring(self.techniques, "contiguous_weights")
+        needs = declaring(self.techniques, "contiguous_weights") if self.techniques else []
         if needs and self.train.channels_last:
             raise ConfigError(f"{needs[0]} needs contiguous parameters (FSDP2 shards no other), "
                               "but train.channels_last = true stores convolution weights in NHWC; "
                               "set train.channels_last = false or leave it unset")
-        if needs:
+        self.technique_defaults()
+
+    def technique_defaults(self) -> None:
+        """Run settings whose default a technique changes, only where unset (the resolved
+        config stores the value used; runner.resolved applies them too, so a config hashed
+        before its check hashes as the run it becomes): channels_last off where parameters
+        must be contiguous, cudnn_benchmark off where the batch size changes during the run."""
+        from memstudy.techniques import declaring
+
+        if not self.techniques:
+            return
+        if self.train.channels_last is None and declaring(self.techniques, "contiguous_weights"):
             self.train.channels_last = False
         # cuDNN would time its algorithms again for every new batch size, inside timed epochs
         # (tri_accel's elastic batch on an H100: 4 steps in 17.6 s against 1.9 s for 48)
-        if declaring(self.techniques, "varies_batch") and self.train.cudnn_benchmark is None:
+        if self.train.cudnn_benchmark is None and declaring(self.techniques, "varies_batch"):
             self.train.cudnn_benchmark = False
 
     def to_dict(self) -> dict[str, Any]:

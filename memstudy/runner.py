@@ -44,6 +44,7 @@ def resolved(config: RunConfig) -> RunConfig:
     """The config with techniques in canonical form and the device-dependent defaults
     (channels_last, cudnn_benchmark) filled in, so equal runs hash equal."""
     config.techniques = canonical(config.techniques)
+    config.technique_defaults()  # before the device's defaults fill what is still unset
     config.train.resolve_tuning()
     return config
 

@@ -76,12 +76,12 @@ class TuneSpec:
     islands: int = 1
 
 
-def load_spec(path: str) -> TuneSpec:
+def load_spec(path: str, plan_corners: bool = True) -> TuneSpec:
     raw = read_toml(path, "tune spec")
-    return parse_spec(raw)
+    return parse_spec(raw, plan_corners)
 
 
-def parse_spec(raw: dict[str, Any]) -> TuneSpec:
+def parse_spec(raw: dict[str, Any], plan_corners: bool = True) -> TuneSpec:
     unknown = set(raw) - {"base", "space", "search", "fitness"}
     if unknown:
         raise ConfigError(f"tune spec: unknown table(s) {sorted(unknown)}; valid: base, space, "
@@ -96,7 +96,7 @@ def parse_spec(raw: dict[str, Any]) -> TuneSpec:
             raise ConfigError(f"tune spec: unknown key(s) {sorted(bad)} in [{table}]; valid: "
                               f"{sorted(valid)}")
     spec = TuneSpec(base=raw.get("base", {}), space=space, **search, **fit)
-    check_spec(spec)
+    check_spec(spec, plan_corners)
     return spec
 
 
@@ -133,9 +133,10 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_spec(spec: TuneSpec) -> None:
+def check_spec(spec: TuneSpec, plan_corners: bool = True) -> None:
     """Everything refusable, refused before any trial runs: empty space, unknown names, bad
-    values at the corners of the space, bad search settings."""
+    values at the corners of the space (`plan_corners`: planned on the spec's device; off for
+    reading a recorded search, which needs no GPU), bad search settings."""
     from memstudy.techniques.compose import make_plan
 
     if not spec.space:
@@ -159,7 +160,7 @@ def check_spec(spec: TuneSpec) -> None:
     base = base_config(spec)
     for key in spec.space:
         _check_key(key, base)
-    for corner in ("low", "high"):  # refused values at either end stop the search up front
+    for corner in ("low", "high") if plan_corners else ():  # refused values stop the search
         params = {k: (v[0] if corner == "low" else v[-1]) for k, v in spec.space.items()}
         make_plan(trial_config(spec, params))
 

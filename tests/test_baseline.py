@@ -263,3 +263,19 @@ def test_a_setting_added_later_keeps_earlier_hashes_at_its_default():
     digest = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     assert cfg.hash() == digest
     assert small_config(val_precision="float32").hash() != digest
+
+
+@pytest.mark.parametrize("techniques", [["fsdp"], ["tri_accel"]])
+def test_a_config_hashed_before_its_check_hashes_as_the_run(techniques):
+    """Grids and tune hash configs before they are checked (runner.resolved); the techniques'
+    defaults must apply there too, or a recorded cell would never be found again."""
+    import copy
+
+    from memstudy.config import RunConfig
+    from memstudy.runner import resolved
+
+    cfg = RunConfig(techniques=techniques, world_size=2 if techniques == ["fsdp"] else 1)
+    cfg.train.device, cfg.train.batch_size = "cuda", 2
+    planned = resolved(copy.deepcopy(cfg)).hash()
+    cfg.check()
+    assert resolved(cfg).hash() == planned

@@ -259,3 +259,24 @@ def test_cli_best_reads_a_recorded_search_and_refuses_a_missing_database(tmp_pat
     ResultsDB(tmp_path / "empty.sqlite")
     assert main(["--db", str(tmp_path / "empty.sqlite"), "tune", str(spec), "--best", "3"]) == 0
     assert "no recorded trial of this spec" in capsys.readouterr().out
+
+
+def test_cli_best_reads_a_gpu_search_on_a_machine_without_one(capsys):
+    """The H100 search's database (session 7) ranks here, on the CPU: reading plans nothing on
+    the spec's cuda device, and its trials still match the spec (config hash unchanged by
+    settings added since: train.val_precision)."""
+    import shutil
+    import tempfile
+
+    from memstudy.cli import main
+
+    root = Path(__file__).parents[1]
+    with tempfile.TemporaryDirectory() as tmp:  # reading opens the database for writing
+        db = Path(tmp) / "tune.sqlite"
+        shutil.copy(root / "benchmarks/results/h100/session7/call4/results/tune-triaccel.sqlite",
+                    db)
+        rc = main(["--db", str(db), "tune", str(root / "benchmarks/specs/tune-triaccel.toml"),
+                   "--best", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "10 recorded trial(s)" in out and "best: run 8" in out
