@@ -19,7 +19,8 @@ from memstudy.tiling.unet import TiledForward, plain_layer1
 
 # A technique whose per-block forward wrappers the tiled walk would bypass (it calls the
 # blocks' layers itself) sets this attribute on the U-Net to the reason: validation then runs
-# untiled and records that reason (tri_accel:precision's per-unit autocast).
+# untiled and records that reason (tri_accel:precision's per-unit autocast, fsdp's per-block
+# parameter gathering).
 UNTILED_REASON = "untiled_validation_reason"
 
 
