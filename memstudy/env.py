@@ -34,6 +34,24 @@ def describe(device: torch.device) -> dict[str, object]:
     return env
 
 
+def compute_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA `device` without starting CUDA where it has not started: from
+    NVML then, since a technique's check runs before the allocator technique configures the
+    caching allocator, which refuses a process where CUDA has started. None if unknown."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.get_device_capability(device)
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = torch.cuda._get_nvml_device_index(device)  # through CUDA_VISIBLE_DEVICES
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        return int(major), int(minor)
+    except Exception:  # noqa: BLE001 - no NVML or no such device: unknown
+        return None
+
+
 def _driver_version() -> str | None:
     try:
         import pynvml

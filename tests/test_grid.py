@@ -299,7 +299,7 @@ def test_gpu_grid_gives_a_dp_cell_two_gpus(tmp_path):
 def test_shipped_grids_plan_on_the_device_they_name(path, device, monkeypatch):
     """Every cell of the example grids (the quick study's included) passes make_plan for its
     device, so a new set in them is not first refused on a GPU machine. Planned here for a
-    CUDA device without one: Triton's check needs a GPU, and is taken as passed."""
+    CUDA device without one: Triton's check is taken as passed."""
     import copy
 
     import torch
@@ -308,7 +308,7 @@ def test_shipped_grids_plan_on_the_device_they_name(path, device, monkeypatch):
     from memstudy.techniques.compose import make_plan
     from memstudy.train import check_measurable
 
-    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: True)
+    monkeypatch.setattr("memstudy.techniques.compile.triton_cuda_problem", lambda device: None)
     spec = load_spec(Path(__file__).parents[1] / path)
     assert spec.base["train"]["device"] == device
     for techniques in spec.technique_sets:

@@ -129,12 +129,42 @@ def test_unsupported_combinations_are_refused_by_name(other):
 def test_boundary_offload_is_refused_with_compile(monkeypatch):
     """The compiled graph's saved tensors carry no boundary mark: nothing would move. Planned
     for a GPU (offload needs one) without one: Triton's check is taken as passed."""
-    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: True)
+    monkeypatch.setattr("memstudy.techniques.compile.triton_cuda_problem", lambda device: None)
     cfg = cpu_config(["compile", "checkpoint", "offload:which=boundaries"])
     with pytest.raises(ConfigError, match="compile with offload:which=boundaries"):
         make_plan(cfg, device=torch.device("cuda"), n_gpus=1)
     cfg.techniques[-1] = "offload:which=all"
     make_plan(cfg, device=torch.device("cuda"), n_gpus=1)
+
+
+def test_planning_for_a_gpu_does_not_start_cuda(monkeypatch):
+    """Checks run before the allocator technique configures the allocator, which CUDA must
+    not have started by then: compile's Triton check and amp:tf32's capability check read
+    NVML, not torch's has_triton() / get_device_capability(), which start CUDA (on an H100
+    every compile+allocator maxres probe was refused)."""
+    import torch.utils._triton as triton_utils
+
+    from memstudy.techniques import amp, compile as compile_technique
+
+    def starts_cuda(*_args):
+        raise AssertionError("this reads the GPU's properties: CUDA would start")
+
+    monkeypatch.setattr(triton_utils, "has_triton", starts_cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", starts_cuda)
+    monkeypatch.setattr(triton_utils, "has_triton_package", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    for module in (amp, compile_technique):
+        monkeypatch.setattr(module, "compute_capability", lambda device: (9, 0))
+    cuda = torch.device("cuda")
+    cfg = cpu_config(["amp:bf16", "compile:memory_budget=0.5", "allocator:expandable_segments=true"])
+    make_plan(cfg, device=cuda, n_gpus=1)
+    make_plan(cpu_config(["amp:tf32", "allocator:expandable_segments=true"]), device=cuda, n_gpus=1)
+    monkeypatch.setattr(compile_technique, "compute_capability", lambda device: (6, 1))
+    with pytest.raises(ConfigError, match=r"compute capability 6\.1 is below the 7\.0"):
+        make_plan(cfg, device=cuda, n_gpus=1)
+    monkeypatch.setattr(triton_utils, "has_triton_package", lambda: False)
+    with pytest.raises(ConfigError, match="the triton package is not installed"):
+        make_plan(cfg, device=cuda, n_gpus=1)
 
 
 def test_a_recompilation_after_warm_up_stops_the_run():

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memstudy.env import compute_capability
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
@@ -65,7 +66,8 @@ def _check_tf32_device(device: torch.device) -> None:
         raise ConfigError(f"amp:tf32 needs a CUDA GPU of compute capability >= 8.0 but "
                           f"train.device resolves to {device}; set train.device = 'cuda' or "
                           "use amp:bf16")
-    capability = torch.cuda.get_device_capability(device)
+    # NVML's answer leaves CUDA unstarted for the allocator technique; torch's starts it
+    capability = compute_capability(device) or torch.cuda.get_device_capability(device)
     if capability < TF32_MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
         raise ConfigError(f"amp:tf32 needs compute capability >= 8.0 (Ampere or newer); "

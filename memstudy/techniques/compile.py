@@ -58,6 +58,7 @@ from typing import Iterator
 
 import torch
 
+from memstudy.env import compute_capability
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
@@ -205,18 +206,36 @@ def _check_backend(opts: Options, plan: Plan) -> None:
     if opts.backend != "inductor":
         return
     if plan.device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        if not has_triton():
-            raise ConfigError("compile: Inductor needs Triton for CUDA kernels and none usable "
-                              "is installed for this GPU; install triton, or use "
-                              "compile:backend=aot_eager")
+        problem = triton_cuda_problem(plan.device)
+        if problem is not None:
+            raise ConfigError(f"compile: Inductor needs Triton for CUDA kernels, but {problem}; "
+                              "install triton, or use compile:backend=aot_eager")
         return
     cxx = cpp_compiler()
     if cxx is None:
         raise ConfigError("compile: Inductor's CPU backend needs a C++ compiler (g++ or clang++; "
                           "torch._inductor.config.cpp.cxx or $CXX) and none was found; install "
                           "one, or use compile:backend=aot_eager")
+
+
+def triton_cuda_problem(device: torch.device) -> str | None:
+    """Why Inductor could not generate Triton kernels for `device`, or None; read without
+    initialising CUDA. torch's has_triton() reads the GPU's properties, which starts CUDA, and
+    checks run before the allocator technique configures the caching allocator in the run's
+    process (compose.prepare_process), which CUDA must not have started by then (seen on an
+    H100: every compile+allocator maxres probe was refused). So before CUDA starts: the
+    package, and the compute capability from NVML (env.compute_capability)."""
+    from torch.utils._triton import has_triton, has_triton_package
+
+    if not has_triton_package():
+        return "the triton package is not installed"
+    if torch.cuda.is_initialized():
+        return None if has_triton() else "Triton reports no usable backend for this GPU"
+    capability = compute_capability(device)
+    if capability is not None and capability < (7, 0):
+        return (f"the GPU's compute capability {capability[0]}.{capability[1]} is below the "
+                "7.0 Triton needs")
+    return None
 
 
 def cpp_compiler() -> str | None:
