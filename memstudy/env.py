@@ -44,7 +44,9 @@ def compute_capability(device: torch.device) -> tuple[int, int] | None:
         import pynvml
 
         pynvml.nvmlInit()
-        index = torch.cuda._get_nvml_device_index(device)  # through CUDA_VISIBLE_DEVICES
+        # an explicit index: for "cuda" torch would ask current_device(), which starts CUDA
+        visible = torch.device("cuda", device.index if device.index is not None else 0)
+        index = torch.cuda._get_nvml_device_index(visible)  # through CUDA_VISIBLE_DEVICES
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
         return int(major), int(minor)

@@ -167,6 +167,32 @@ def test_planning_for_a_gpu_does_not_start_cuda(monkeypatch):
         make_plan(cfg, device=cuda, n_gpus=1)
 
 
+def test_compute_capability_reads_nvml_without_starting_cuda(monkeypatch):
+    """env.compute_capability maps the device through CUDA_VISIBLE_DEVICES to NVML's index
+    with an explicit CUDA index: for a bare "cuda" torch would ask current_device(), which
+    starts CUDA (what refused the H100 compile+allocator probes after the first fix)."""
+    import sys
+    from types import SimpleNamespace
+
+    from memstudy.env import compute_capability
+
+    def starts_cuda(*_args):
+        raise AssertionError("current_device() starts CUDA")
+
+    asked = []
+    fake_nvml = SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: asked.append(index) or f"handle {index}",
+        nvmlDeviceGetCudaComputeCapability=lambda handle: (9, 0))
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml)
+    monkeypatch.setattr(torch.cuda, "current_device", starts_cuda)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert compute_capability(torch.device("cuda")) == (9, 0)
+    assert compute_capability(torch.device("cuda", 1)) == (9, 0)
+    assert asked == [3, 5]
+
+
 def test_a_recompilation_after_warm_up_stops_the_run():
     """One warm-up step; the next training forward of the same shape reuses the graph, a
     validation (eval-mode) forward may compile its own, a new shape in training fails by name."""
