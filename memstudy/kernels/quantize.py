@@ -12,6 +12,19 @@ one quantisation step; a constant group (scale = 0) is restored exactly. The cod
 8 / bits consecutive elements are packed into one byte, element j of a byte in bits
 [j * bits, (j + 1) * bits). Storage: n * bits / 8 bytes of codes + 8 bytes per group.
 
+Channel-major groups (`quantize_channels`, for channels-last activations): a tensor whose
+memory is a row-major [P, C] matrix (P = N * H * W pixels, C channels) is cut per channel into
+groups of `group` consecutive pixels, the elements at memory offsets (p0 + k) * C + c, k < group
+(the last group of each channel may be short: P % group). Memory order would put all C channels
+of a few pixels in one group, and channels differ in range, so each group's [min, max] would be
+wide and its step coarse. The kernels read [group, BLOCK_C] tiles coalesced along C straight
+from the activation (no transposed copy). Stored layout: codes [ceil(P * bits / 8), C]: the
+byte of pixels k * 8 / bits .. (k + 1) * 8 / bits - 1 of channel c is at k * C + c (the packing
+above); group g of channel c is rows [g, g + 1) * group * bits / 8 of column c, and only a
+column's last byte is padded, not its short last group; lo and scale [G, C], G = ceil(P /
+group): C * G groups (`channel_groups`). The noise of element (p, c) is tl.rand(seed, p * C +
+c), its memory index, so `uniform_noise` serves both layouts.
+
 Sign masks: bit j of byte i is (x[8 i + j] > 0): what ReLU's backward needs of its output.
 
 Each kernel has a pure-PyTorch reference doing the same float32 arithmetic in the same order
@@ -38,6 +51,11 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GROUP_SIZES = tuple(2 ** k for k in range(5, 13))  # 32 .. 4096: a Triton block, whole bytes
 ELEMENTS_PER_PROGRAM = 4096  # groups per program = this // group: enough work per program
 MASK_BYTES_PER_PROGRAM = 1024  # sign masks: 8192 elements per program
+# channel-major tiles: [group pixels, BLOCK_C channels] with BLOCK_C = TILE_ELEMENTS // group, at
+# least MIN_BLOCK_C (32 contiguous bytes of float32 per pixel row) and at most C rounded up to a
+# power of two; 8 warps above TILE_ELEMENTS elements (large groups)
+TILE_ELEMENTS = 4096
+MIN_BLOCK_C = 8
 
 
 def interpreted() -> bool:
@@ -51,6 +69,22 @@ def n_groups(n: int, group: int) -> int:
 def code_bytes(n: int, bits: int, group: int) -> int:
     """Bytes of packed codes for n elements: every group, the short last one too, is whole."""
     return n_groups(n, group) * group * bits // 8
+
+
+def channel_groups(n: int, channels: int, group: int) -> int:
+    """Groups of an n-element [n / channels, channels] matrix grouped per channel: C * G."""
+    return channels * n_groups(n // channels, group)
+
+
+def channel_code_bytes(n: int, channels: int, bits: int) -> int:
+    """Bytes of packed codes for channel-major groups: ceil(P * bits / 8) per channel."""
+    return channels * n_groups(n // channels, 8 // bits)
+
+
+def block_channels(channels: int, group: int) -> int:
+    """BLOCK_C of the channel-major kernels' [group, BLOCK_C] tiles (a power of two)."""
+    full = 1 << max(0, channels - 1).bit_length()  # C rounded up to a power of two
+    return min(full, max(MIN_BLOCK_C, TILE_ELEMENTS // group))
 
 
 # -- PyTorch references ----------------------------------------------------------------------
@@ -90,6 +124,59 @@ def dequantize_reference(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Ten
     levels = levels.view(-1, group).float()
     x = lo[:, None] + levels * scale[:, None]
     return x.reshape(-1)[:n].to(dtype)
+
+
+def _pixels(n: int, channels: int) -> int:
+    if channels < 1 or n % channels:
+        raise ValueError(f"{n} elements are not a [pixels, {channels}] matrix")
+    return n // channels
+
+
+def quantize_channels_reference(flat: torch.Tensor, channels: int, bits: int, group: int,
+                                noise: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8, lo float32, scale float32) of a 1-D tensor read as a row-major
+    [P, channels] matrix, in channel-major groups of `group` pixels (module docstring);
+    `noise`: n uniforms in [0, 1) in memory order (element p * C + c rounds with noise[p * C + c]).
+    The arithmetic of `quantize_reference`, per channel; transposed copies are fine here."""
+    pixels = _pixels(flat.numel(), channels)
+    groups = n_groups(pixels, group)
+    pad = groups * group - pixels
+    x = flat.float().view(pixels, channels).t()  # [C, P]
+    grouped = torch.nn.functional.pad(x, (0, pad)).view(channels, groups, group)
+    lo, hi = grouped.amin(dim=2), grouped.amax(dim=2)  # [C, G]
+    tail = pixels % group
+    if tail:  # each channel's short last group: its padding must not count
+        lo[:, -1], hi[:, -1] = x[:, -tail:].amin(dim=1), x[:, -tail:].amax(dim=1)
+    levels = (1 << bits) - 1
+    scale = (hi - lo) / levels
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    t = (grouped - lo[:, :, None]) * inv[:, :, None]  # two roundings, as in the kernel
+    u = torch.nn.functional.pad(noise.float().view(pixels, channels).t(), (0, pad))
+    codes = torch.floor(t + u.view(channels, groups, group)).clamp_(0, levels).to(torch.int32)
+    codes.view(channels, -1)[:, pixels:] = 0  # each short last group's padding packs as zeros
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=flat.device) * bits
+    packed = (codes.view(channels, -1, per) << shifts).sum(dim=2).to(torch.uint8)
+    packed = packed[:, :n_groups(pixels, per)].t().reshape(-1)  # [ceil(P / per), C]
+    return packed, lo.t().reshape(-1), scale.t().reshape(-1)  # [G, C]
+
+
+def dequantize_channels_reference(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,
+                                  n: int, channels: int, bits: int, group: int,
+                                  dtype: torch.dtype) -> torch.Tensor:
+    """The n restored elements (1-D, memory order, `dtype`) of `quantize_channels_reference`."""
+    pixels = _pixels(n, channels)
+    groups = n_groups(pixels, group)
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+    rows = groups * group // per - n_groups(pixels, per)  # the last groups' missing bytes
+    packed = torch.nn.functional.pad(codes.to(torch.int32).view(-1, channels), (0, 0, 0, rows))
+    packed = packed.view(groups, group // per, 1, channels)
+    levels = (packed >> shifts[:, None]) & ((1 << bits) - 1)  # [G, group / per, per, C]
+    levels = levels.view(groups, group, channels).float()
+    x = lo.view(groups, 1, channels) + levels * scale.view(groups, 1, channels)
+    return x.view(groups * group, channels)[:pixels].reshape(-1).to(dtype)
 
 
 def pack_signs_reference(flat: torch.Tensor) -> torch.Tensor:
@@ -205,6 +292,45 @@ def dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, n: in
     return out
 
 
+def quantize_channels(flat: torch.Tensor, channels: int, bits: int, group: int, seed: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel for `quantize_channels_reference` (noise: `uniform_noise(seed)`).
+    `flat`: the activation's memory as a 1-D view (no copy), a row-major [P, channels] matrix."""
+    _require_kernel_device(flat, "quantize_channels")
+    n = flat.numel()
+    pixels = _pixels(n, channels)
+    groups = n_groups(pixels, group)
+    block_c = block_channels(channels, group)
+    codes = torch.empty(channel_code_bytes(n, channels, bits), dtype=torch.uint8,
+                        device=flat.device)
+    lo = torch.empty(groups * channels, dtype=torch.float32, device=flat.device)
+    scale = torch.empty(groups * channels, dtype=torch.float32, device=flat.device)
+    _kernels(interpreted())["quantize_channels"][(groups, n_groups(channels, block_c))](
+        flat, codes, lo, scale, pixels, channels, seed, BITS=bits, GROUP=group, BLOCK_C=block_c,
+        num_warps=_warps(group, block_c))
+    return codes, lo, scale
+
+
+def dequantize_channels(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, n: int,
+                        channels: int, bits: int, group: int, dtype: torch.dtype,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel for `dequantize_channels_reference`; writes into `out` (1-D, n, in
+    memory order: a view of a channels-last tensor's memory) if given."""
+    _require_kernel_device(codes, "dequantize_channels")
+    pixels = _pixels(n, channels)
+    block_c = block_channels(channels, group)
+    out = torch.empty(n, dtype=dtype, device=codes.device) if out is None else out
+    _kernels(interpreted())["dequantize_channels"][(n_groups(pixels, group),
+                                                    n_groups(channels, block_c))](
+        codes, lo, scale, out, pixels, channels, BITS=bits, GROUP=group, BLOCK_C=block_c,
+        BF16=out.dtype == torch.bfloat16, num_warps=_warps(group, block_c))
+    return out
+
+
+def _warps(group: int, block_c: int) -> int:
+    return 4 if group * block_c <= TILE_ELEMENTS else 8
+
+
 def pack_signs(flat: torch.Tensor) -> torch.Tensor:
     _require_kernel_device(flat, "pack_signs")
     n = flat.numel()
@@ -309,6 +435,73 @@ def _kernels(interpret: bool) -> dict:
             tl.store(out_ptr + idx, x.to(out_ptr.dtype.element_ty), mask=idx < n)
 
     @jit
+    def channel_layout(pixels, channels, BITS: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
+        """This program's tile: group g = program_id(0) of BLOCK_C channels from
+        program_id(1) * BLOCK_C: (c_ok, code_ok, inside, idx, j, code_idx, stat_idx), where
+        idx is the [GROUP // PER, PER, BLOCK_C] memory index p * C + c of pixel p = g * GROUP +
+        byte * PER + j (byte within the group, j its place in the byte) and channel c, inside
+        says which exist, code_idx is the [GROUP // PER, BLOCK_C] index of the packed codes
+        (code_ok: the bytes that exist, ceil(P / PER) per channel), stat_idx the [BLOCK_C]
+        index of lo / scale; PER = 8 // BITS."""
+        PER: tl.constexpr = 8 // BITS
+        g = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        byte = tl.arange(0, GROUP // PER)
+        j = tl.arange(0, PER)
+        p = g * GROUP + byte[:, None, None] * PER + j[None, :, None]  # [GROUP // PER, PER, 1]
+        c_ok = c < channels
+        inside = (p < pixels) & c_ok[None, None, :]
+        idx = p * channels + c[None, None, :]
+        code_row = g * (GROUP // PER) + byte
+        code_ok = (code_row * PER < pixels)[:, None] & c_ok[None, :]
+        code_idx = code_row[:, None] * channels + c[None, :]
+        return c_ok, code_ok, inside, idx, j, code_idx, g * channels + c
+
+    @jit
+    def quantize_channels_kernel(x_ptr, codes_ptr, lo_ptr, scale_ptr, pixels, channels, seed,
+                                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_C: tl.constexpr):
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        c_ok, code_ok, inside, idx, j, code_idx, stat_idx = channel_layout(
+            pixels, channels, BITS, GROUP, BLOCK_C)
+        x = tl.load(x_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+        lo = tl.min(tl.min(tl.where(inside, x, float("inf")), axis=1), axis=0)  # [BLOCK_C]
+        hi = tl.max(tl.max(tl.where(inside, x, float("-inf")), axis=1), axis=0)
+        lo = tl.where(c_ok, lo, 0.0)  # channels past C: no inf - inf (nothing of them is stored)
+        hi = tl.where(c_ok, hi, 0.0)
+        scale = tl.math.div_rn(hi - lo, LEVELS * 1.0)
+        safe = tl.where(scale > 0, scale, 1.0)
+        inv = tl.where(scale > 0, tl.math.div_rn(1.0, safe), 0.0)
+        t = (x - lo[None, None, :]) * inv[None, None, :]
+        u = tl.rand(seed, idx)
+        code = tl.minimum(tl.maximum(tl.floor(t + u), 0.0), LEVELS * 1.0).to(tl.int32)
+        code = tl.where(inside, code, 0)  # a short last group's padding packs as zeros
+        packed = tl.sum(code << (j * BITS)[None, :, None], axis=1).to(tl.uint8)
+        tl.store(codes_ptr + code_idx, packed, mask=code_ok)
+        tl.store(lo_ptr + stat_idx, lo, mask=c_ok)
+        tl.store(scale_ptr + stat_idx, scale, mask=c_ok)
+
+    @jit
+    def dequantize_channels_kernel(codes_ptr, lo_ptr, scale_ptr, out_ptr, pixels, channels,
+                                   BITS: tl.constexpr, GROUP: tl.constexpr,
+                                   BLOCK_C: tl.constexpr, BF16: tl.constexpr):
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        c_ok, code_ok, inside, idx, j, code_idx, stat_idx = channel_layout(
+            pixels, channels, BITS, GROUP, BLOCK_C)
+        packed = tl.load(codes_ptr + code_idx, mask=code_ok, other=0).to(tl.int32)
+        level = (packed[:, None, :] >> (j * BITS)[None, :, None]) & LEVELS
+        lo = tl.load(lo_ptr + stat_idx, mask=c_ok, other=0.0)
+        scale = tl.load(scale_ptr + stat_idx, mask=c_ok, other=0.0)
+        x = lo[None, None, :] + level.to(tl.float32) * scale[None, None, :]
+        if BF16:  # round to nearest even by hand, as dequantize_kernel does
+            word = x.to(tl.uint32, bitcast=True)
+            word = word + 0x7FFF + ((word >> 16) & 1)
+            tl.store(out_ptr + idx, (word >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+                     mask=inside)
+        else:
+            tl.store(out_ptr + idx, x.to(out_ptr.dtype.element_ty), mask=inside)
+
+    @jit
     def pack_signs_kernel(x_ptr, signs_ptr, n, BLOCK: tl.constexpr):
         byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         j = tl.arange(0, 8)
@@ -334,6 +527,9 @@ def _kernels(interpret: bool) -> dict:
         tl.store(out_ptr + idx, tl.rand(seed, idx), mask=idx < n)
 
     scope["group_layout"] = group_layout
+    scope["channel_layout"] = channel_layout
     return {"quantize": quantize_kernel, "dequantize": dequantize_kernel,
+            "quantize_channels": quantize_channels_kernel,
+            "dequantize_channels": dequantize_channels_kernel,
             "pack_signs": pack_signs_kernel, "apply_signs": apply_signs_kernel,
             "uniform": uniform_kernel}
