@@ -51,6 +51,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GROUP_SIZES = tuple(2 ** k for k in range(5, 13))  # 32 .. 4096: a Triton block, whole bytes
 ELEMENTS_PER_PROGRAM = 4096  # groups per program = this // group: enough work per program
 MASK_BYTES_PER_PROGRAM = 1024  # sign masks: 8192 elements per program
+UNSPECIALISED = ("seed",)  # kernel arguments Triton must not specialise on (see _kernels)
 # channel-major tiles: [group pixels, BLOCK_C channels] with BLOCK_C = TILE_ELEMENTS // group, at
 # least MIN_BLOCK_C (32 contiguous bytes of float32 per pixel row) and at most C rounded up to a
 # power of two; 8 warps above TILE_ELEMENTS elements (large groups)
@@ -376,7 +377,13 @@ def _kernels(interpret: bool) -> dict:
         # the tl.constexpr parameters and tl.arange(0, ROWS) fails to compile
         rebuilt.__annotations__ = dict(fn.__annotations__)
         rebuilt.__doc__ = fn.__doc__
-        return triton.jit(rebuilt)
+        # Triton compiles a variant per integer argument's divisibility by 16 (and == 1); a
+        # fresh random seed per call would hit a new variant in 1 of 16 calls, compiling it
+        # inside a timed step long after warm-up (the likely cause of an H100 compress run's
+        # plain-step median of 1.13 s against 0.30 s for its metered steps, session 8). Shape
+        # arguments repeat every step: warm-up compiles their variants.
+        args = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+        return triton.jit(rebuilt, do_not_specialize=[a for a in UNSPECIALISED if a in args])
 
     @jit
     def group_layout(n_groups, BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
