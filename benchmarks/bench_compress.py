@@ -90,17 +90,18 @@ def parse_bases(text: str) -> list[list[str]]:
     return [b for b in bases if "tile" not in b or _has_tile()]
 
 
-def part_memory(db: ResultsDB, sizes: list[int], steps: int, bases: list[list[str]]
-                ) -> tuple[list[str], list[dict]]:
+def part_memory(db: ResultsDB, sizes: list[int], steps: int, bases: list[list[str]],
+                groupings: list[str] = ("channel",)) -> tuple[list[str], list[dict]]:
     lines = ["| size | set | status | saved MiB | compress before / after MiB | ratio | grad cosine | "
              "grad rel. error | peak MiB | step s |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for size in sizes:
         for base in bases:
-            variants = [base] + [base + [f"compress:bits={b}"] for b in BITS]
+            specs = [f"compress:bits={b}" for b in BITS]
             if "checkpoint" in base:  # region inputs at 4 bits too (default 8), and only them
-                variants += [base + ["compress:bits=4:boundary_bits=4"],
-                             base + ["compress:bits=4:which=boundaries"]]
+                specs += ["compress:bits=4:boundary_bits=4", "compress:bits=4:which=boundaries"]
+            suffixes = ["" if g == "channel" else f":groups={g}" for g in groupings]
+            variants = [base] + [base + [spec + suffix] for suffix in suffixes for spec in specs]
             for techniques in variants:
                 r = run(db, config(size, techniques, steps))
                 r["size"] = size
@@ -243,6 +244,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per memory/offload run")
     p.add_argument("--bases", default="original,checkpoint,amp:bf16+checkpoint,amp:bf16+tile",
                    help="memory part: technique sets compress joins ('+' joins techniques)")
+    p.add_argument("--groupings", default="channel", help="memory part: compress's `groups` "
+                   "options to run, e.g. channel,memory (channels-last grouping compared)")
     p.add_argument("--quality-size", type=int, default=768)
     p.add_argument("--quality-steps", type=int, default=24)
     p.add_argument("--numel", type=int, default=64 * 2048 * 2048, help="kernel benchmark size")
@@ -253,7 +256,8 @@ def main() -> int:
     db = ResultsDB(str(args.out / "compress.sqlite"))
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.part == "memory":
-        lines, rows = part_memory(db, sizes, args.steps, parse_bases(args.bases))
+        lines, rows = part_memory(db, sizes, args.steps, parse_bases(args.bases),
+                                  args.groupings.split(","))
     elif args.part == "kernels":
         lines, rows = part_kernels(args.numel)
     elif args.part == "offload":

@@ -84,6 +84,7 @@ from memstudy.techniques.base import Build, Plan, Stage, Technique
 
 WHICH = ("all", "boundaries")
 IMPLS = ("auto", "triton", "torch")
+GROUPINGS = ("channel", "memory")
 BOUNDARY_BITS = 8  # checkpoint region inputs with which=all, unless boundary_bits says otherwise
 SIGN_MASK = "_memstudy_sign_mask"  # on a ReLU mask: the storage of the output it stands for
 POOL_OFFSETS = "_memstudy_pool_offsets"  # on max-pool offsets: bytes of the indices they replace
@@ -113,6 +114,10 @@ class Options:
     pool_offsets: bool = field(default=True, metadata={
         "help": "max-pool saves each maximum's place in its window (4 bits, exact) instead of "
                 "its int64 index (which=all only)"})
+    groups: str = field(default="channel", metadata={
+        "choices": GROUPINGS,
+        "help": "channels-last tensors: channel = group_size pixels of one channel per group; "
+                "memory = runs in memory order, across channels (before session 8)"})
     grad_probe: bool = field(default=True, metadata={
         "help": "re-run the last warm-up step uncompressed and record the gradient deviation"})
 
@@ -219,8 +224,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 class Compressor:
     def __init__(self, bits: int = 4, group: int = 256, min_numel: int = 16384,
                  boundaries_only: bool = False, use_triton: bool = False, seed: int = 0,
-                 boundary_bits: int | None = None):
+                 boundary_bits: int | None = None, channel_groups: bool = True):
         self.bits, self.group, self.min_numel = bits, group, min_numel
+        self.channel_groups = channel_groups  # channels-last tensors: per-channel groups
         # checkpoint region inputs: backward recomputes the region from them (None: bits)
         self.boundary_bits = bits if boundary_bits is None else boundary_bits
         self.boundaries_only, self.use_triton = boundaries_only, use_triton
@@ -335,7 +341,7 @@ class Compressor:
             stride = t.stride()
         flat = _flat(t).detach()
         bits = self.boundary_bits if is_boundary(t) else self.bits
-        channels = _channel_major(t)
+        channels = _channel_major(t) if self.channel_groups else 0
         if self.use_triton:
             seed = self._seeds.getrandbits(31)
             parts = (qk.quantize_channels(flat, channels, bits, self.group, seed) if channels
@@ -672,7 +678,8 @@ def apply(opts: Options, build: Build) -> None:
     compressor = Compressor(opts.bits, opts.group_size, opts.min_numel,
                             boundaries_only=opts.which == "boundaries",
                             use_triton=impl == "triton", seed=build.config.train.seed,
-                            boundary_bits=resolve_boundary_bits(opts))
+                            boundary_bits=resolve_boundary_bits(opts),
+                            channel_groups=opts.groups == "channel")
     rt = build.runtime
     rt.add_saved_tensor_transform(compressor.pack, compressor.unpack, owner="compress")
     if opts.which == "all":
