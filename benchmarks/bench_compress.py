@@ -124,7 +124,9 @@ def _time_ms(fn, repeat: int = 20) -> float:
 def part_kernels(numel: int) -> tuple[list[str], list[dict]]:
     from memstudy.kernels import quantize as qk
     lines = [f"Tensor of {numel / 2 ** 20:.0f} Mi elements (a 64-channel map of "
-             f"{int((numel / 64) ** 0.5)} px squared), group 256; median of 20 launches.\n",
+             f"{int((numel / 64) ** 0.5)} px squared), group 256; median of 20 launches. "
+             "*_channels: channel-major groups of 256 pixels of one of the 64 channels "
+             "(channels-last memory).\n",
              "| op | dtype | bits | triton ms | reference ms | speed-up | GB/s (triton, input + output) |",
              "|---|---|---|---|---|---|---|"]
     rows = []
@@ -139,6 +141,17 @@ def part_kernels(numel: int) -> tuple[list[str], list[dict]]:
                 "dequantize": (lambda: qk.dequantize(*parts, numel, bits, 256, dtype),
                                lambda: qk.dequantize_reference(*parts, numel, bits, 256, dtype)),
             }
+            # channel-major groups (channels-last activations): the same elements as a
+            # [numel / 64, 64] matrix, each group 256 pixels of one channel
+            cparts = qk.quantize_channels(x, 64, bits, 256, 1)
+            cases.update({
+                "quantize_channels": (
+                    lambda: qk.quantize_channels(x, 64, bits, 256, 1),
+                    lambda: qk.quantize_channels_reference(x, 64, bits, 256, torch.rand_like(noise))),
+                "dequantize_channels": (
+                    lambda: qk.dequantize_channels(*cparts, numel, 64, bits, 256, dtype),
+                    lambda: qk.dequantize_channels_reference(*cparts, numel, 64, bits, 256, dtype)),
+            })
             moved = x.nbytes + sum(p.nbytes for p in parts)
             for op, (kernel, reference) in cases.items():
                 k, r = _time_ms(kernel), _time_ms(reference)
