@@ -76,7 +76,6 @@ def test_round_trip_keeps_dtype_shape_layout_within_one_step():
     # channel-major groups: 64 pixels of one channel; P = 288 pixels: 5 groups per channel,
     # the last one short (32 pixels), 8 channels; codes: 4 bits per element, no padding
     assert isinstance(packed, Quantized) and packed.channels == 8
-    assert packed.grouping == "channel-major"
     assert packed.lo.numel() == packed.scale.numel() == 8 * 5
     assert packed.codes.numel() == x.numel() // 2 == qk.channel_code_bytes(x.numel(), 8, 4)
     assert comp.tally() == (x.untyped_storage().nbytes(), x.numel() // 2 + 8 * 5 * 8)
@@ -104,7 +103,7 @@ def test_contiguous_tensors_keep_memory_order_groups():
     comp = Compressor(bits=4, group=64, min_numel=0, seed=7)
     x = torch.randn(2, 8, 12, 12, generator=torch.Generator().manual_seed(0))
     packed = comp.pack(x.requires_grad_().mul(1))
-    assert packed.channels == 0 and packed.grouping == "memory order"
+    assert packed.channels == 0
     noise = torch.rand(x.numel(), generator=torch.Generator().manual_seed(7))
     assert all(torch.equal(a, b) for a, b in
                zip(packed.tensors(), qk.quantize_reference(x.detach().reshape(-1), 4, 64, noise)))

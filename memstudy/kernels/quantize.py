@@ -304,8 +304,8 @@ def quantize_channels(flat: torch.Tensor, channels: int, bits: int, group: int, 
     block_c = block_channels(channels, group)
     codes = torch.empty(channel_code_bytes(n, channels, bits), dtype=torch.uint8,
                         device=flat.device)
-    lo = torch.empty(groups * channels, dtype=torch.float32, device=flat.device)
-    scale = torch.empty(groups * channels, dtype=torch.float32, device=flat.device)
+    lo = torch.empty(channel_groups(n, channels, group), dtype=torch.float32, device=flat.device)
+    scale = torch.empty_like(lo)
     _kernels(interpreted())["quantize_channels"][(groups, n_groups(channels, block_c))](
         flat, codes, lo, scale, pixels, channels, seed, BITS=bits, GROUP=group, BLOCK_C=block_c,
         num_warps=_warps(group, block_c))

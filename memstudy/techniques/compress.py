@@ -136,10 +136,6 @@ class Quantized:
         self.bits, self.group, self.channels = bits, group, channels
 
     @property
-    def grouping(self) -> str:
-        return "channel-major" if self.channels else "memory order"
-
-    @property
     def numel(self) -> int:
         return int(torch.Size(self.shape).numel())
 
