@@ -207,12 +207,19 @@ def measure_row(name: str, size: int, pair, args, cache_dir: str,
     loop always ran first)."""
     techniques = SETS[name]
     sides: dict[str, list[dict]] = {"loop": [], "lean": [], "memstudy": []}
-    for _ in range(args.repeats):
-        sides["loop"].append(loop_timer(pair, techniques, args.warmup, args.steps))
-        if "checkpoint" in techniques:
-            sides["lean"].append(loop_timer(pair, techniques, args.warmup, args.steps, lean=True))
-        sides["memstudy"].append(memstudy_timer(size, techniques, args.warmup, args.steps,
-                                                cache_dir))
+    timers = {"loop": lambda: loop_timer(pair, techniques, args.warmup, args.steps),
+              "lean": lambda: loop_timer(pair, techniques, args.warmup, args.steps, lean=True),
+              "memstudy": lambda: memstudy_timer(size, techniques, args.warmup, args.steps,
+                                                 cache_dir)}
+    order = [s for s in timers if s != "lean" or "checkpoint" in techniques]
+    for round_no in range(args.repeats):
+        for side in order:
+            t0 = time.perf_counter()
+            sides[side].append(timers[side]())
+            # a run cut by the time limit still shows how far each side got, and at what cost
+            print(f"  {name} {size} px round {round_no + 1}: {side} "
+                  f"{sides[side][-1]['step_time_s'] * 1e3:.1f} ms ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
     loop, ours = pooled(sides["loop"]), pooled(sides["memstudy"])
     return {"set": name, "size": size, "loop": loop, "memstudy": ours,
             "lean": pooled(sides["lean"]) if sides["lean"] else None,
