@@ -8,7 +8,9 @@ optimizer steps: 16 phantoms x 3 epochs = 6 optimizer steps, 2 warm-up + 2 measu
 validations for the time to target). Rows are printed and accumulate.md rewritten as each
 run ends, so a run cut by a time limit leaves the rows it finished. Synthetic phantoms, every
 row with the --base set (default amp:bf16; the tuned baseline's channels_last / cuDNN
-autotuning as resolved for CUDA), `--epochs` epochs validated after each,
+autotuning as resolved for CUDA), `--epochs` epochs validated after each, every row first run once unrecorded
+(benchmarks/priming.py; --no-prime skips it: the first k of each size then carries cuDNN
+autotuning in its energy and time to target),
 train.target_val_loss = --target. Rows: peak memory (allocator, and NVML device level), step
 time, throughput, energy (NVML counter), time to target, validation loss; then memstudy's eq. 9
 table
@@ -29,6 +31,7 @@ from memstudy.bytesize import MB
 from memstudy.config import RunConfig
 from memstudy.report import accumulation, render
 from memstudy.runner import execute
+from priming import add_prime_option, prime, primed_note  # benchmarks/ is on sys.path as a script
 from memstudy.store import ResultsDB
 
 
@@ -57,6 +60,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     p.add_argument("--base", default="amp:bf16", help="techniques every row runs with ('+'-joined; "
                    "'' for float32, whose cuDNN autotuning at batch 8 takes minutes on an H100)")
+    add_prime_option(p)
     args = p.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench_accumulate needs a CUDA GPU (or --device cpu for a smoke test)")
@@ -64,6 +68,8 @@ def main() -> int:
         sys.exit(f"--batch {args.batch} must be divisible by every k in {args.ks}")
     args.out.mkdir(parents=True, exist_ok=True)
     db = ResultsDB(args.out / "accumulate.sqlite")
+    prime([config(size, args.batch // k, k, args) for size in args.sizes for k in args.ks],
+          args.prime)
     rows = []
     for size in args.sizes:
         for k in args.ks:
@@ -88,7 +94,8 @@ def markdown(rows: list[dict], db: ResultsDB, args) -> str:
              f"`{args.base or 'original (float32)'}`, {args.epochs} "
              f"epochs of {args.train_images} phantoms, validated each epoch on {args.val_images}; "
              f"target val loss {args.target}. Step time: median plain optimizer step. "
-             "Peak: allocator (max over measured phases); NVML: device level.", ""]
+             "Peak: allocator (max over measured phases); NVML: device level. "
+             + primed_note(args.prime), ""]
     head = ("| px | k | micro-batch | status | peak MB | NVML MB | step s | px/s | energy J | "
             "time to target s | val loss |")
     lines += [head, "|---" * (head.count("|") - 1) + "|"]

@@ -27,7 +27,9 @@ paper's T4/P100 cards, emulated by memstudy's allocator cap), every step after o
 step measured so the peak covers the whole run. Writes triaccel.sqlite and triaccel.md
 into --out: peak memory, time per epoch, validation quality, the efficiency score
 (memstudy.triaccel.score.run_efficiency, defined in docs/triaccel.md), GPU energy of the
-training loop (NVML) and the time to --target validation loss. Every row is printed and
+training loop (NVML) and the time to --target validation loss. Every row is first run once
+unrecorded (benchmarks/priming.py; --no-prime skips it), so that no row's energy and time to
+target carry the cuDNN autotuning of its shapes. Every row is printed and
 triaccel.md rewritten as its run ends, so a time limit leaves the rows done. Defaults:
 a few minutes on one H100 (the stats part ~30 s, then 10 runs of 2 epochs x 24 phantoms).
 """
@@ -46,6 +48,7 @@ from memstudy.models import build_unet
 from memstudy.triaccel.control_units import unet_units
 from memstudy.triaccel.flat_grads import FlatGradients
 from memstudy.runner import execute
+from priming import add_prime_option, prime, primed_note  # benchmarks/ is on sys.path as a script
 from memstudy.store import ResultsDB
 from memstudy.triaccel.score import run_efficiency
 from memstudy.bytesize import MB
@@ -74,6 +77,11 @@ def config(size: int, techniques: list[str], args) -> RunConfig:
     return cfg
 
 
+def ablation_techniques(name: str, args) -> list[str]:
+    """An ablation row's technique specs, --tri-extra appended to the tri_accel one."""
+    return [t + args.tri_extra if t.startswith("tri_accel") else t for t in CONFIGS[name]]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path)
@@ -92,6 +100,7 @@ def main() -> int:
     p.add_argument("--tuned", type=Path, help="a `memstudy tune` database: append its best "
                    "trial's settings to every tri_accel spec")
     p.add_argument("--tune-spec", default="benchmarks/specs/tune-triaccel.toml")
+    add_prime_option(p)
     args = p.parse_args()
     args.source = None
     if args.tuned is not None:
@@ -105,13 +114,13 @@ def main() -> int:
         print((args.out / "triaccel_stats.md").read_text(), flush=True)
     if "ablation" not in args.parts:
         return 0
+    prime([config(size, ablation_techniques(name, args), args)
+           for size in args.sizes for name in args.configs], args.prime)
     rows = []
     for size in args.sizes:
         for name in args.configs:
-            techniques = CONFIGS[name]
-            techniques = [t + args.tri_extra if t.startswith("tri_accel") else t for t in techniques]
             t0 = time.perf_counter()
-            rec = execute(config(size, techniques, args), db)
+            rec = execute(config(size, ablation_techniques(name, args), args), db)
             run_id = db.runs()[-1]["id"]
             eff = run_efficiency(db, run_id) if rec.status == "ok" else {}
             batches = [v for _, _, n, v in rec.series if n == "batch_size"]
@@ -200,7 +209,7 @@ def markdown(rows: list[dict], gpu: str, args) -> str:
              f"wall time until the validation loss first reached {args.target} (- never)."
              + (f" Every tri_accel spec + `{args.tri_extra}`" if args.tri_extra else "")
              + (f": the best trial (run {args.tuned_run}) of `memstudy tune {args.tune_spec}` in "
-                f"{args.source}." if args.source else "."), ""]
+                f"{args.source}." if args.source else ".") + " " + primed_note(args.prime), ""]
     for size in sorted({r["size"] for r in rows}):
         here = [r for r in rows if r["size"] == size]
         base = next((r for r in here if r["name"] == "fp32" and r.get("peak_bytes")), None)
