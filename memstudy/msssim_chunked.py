@@ -7,27 +7,35 @@ of them for backward. At 4188 x 4188 px one float32 map is 70 MB, so the loss al
 backward). The network's memory techniques cannot touch it.
 
 How: every scale's statistic is a mean over a map whose rows depend on only `WIN_SIZE` input
-rows (a valid Gaussian filter). So the forward runs without autograd, one block of `rows`
-output rows at a time (each with its 10-row halo), and keeps only the per-image sums. It saves
-nothing but its two inputs. Backward recomputes the same blocks with autograd on, one at a
-time, scaled by d loss / d statistic, and adds each block's input gradient into one gradient
-map per scale; the scales are chained back through pytorch-msssim's average pooling.
-Memory: the loss's saved tensors drop to its inputs; its temporaries drop from full maps to
-one block's maps plus one gradient map per scale (1/3 of the image for all coarser scales).
-Cost: the block maps are computed twice (forward, then backward), as checkpointing does.
+rows (a valid Gaussian filter), and the loss uses one mean per scale and image (cs below the
+coarsest scale, ssim at it). So the forward runs one block of `rows` output rows at a time
+(each with its 10-row halo), with autograd on inside the block only: it adds the block's sums
+to the means and the block's input gradient of the used mean into one gradient map per scale,
+then frees the block. It saves those gradient maps (4/3 of an image for all scales) and the
+means. Backward needs no recomputation: d loss / d mean per image (from the small means)
+scales each scale's map, and the scales are chained back through pytorch-msssim's average
+pooling.
+Memory: the loss's saved tensors drop from about a dozen full maps to 4/3 of one; its
+temporaries drop from full maps to one block's maps.
+Cost: one forward and one backward per block, as pytorch-msssim does for the whole image, plus
+a kernel launch overhead per block that grows as `rows` shrinks (bench_loss.py measures it).
+An earlier version ran the blocks without autograd in forward and again with it in backward
+(2.5x pytorch-msssim's time at 4188 px, H100 session 9).
 
-Same value: the blocks use pytorch-msssim's own `_ssim` and `gaussian_filter`, its window,
-padding and pooling, and the terms are combined by the same relu / pow / prod; only the order
-of the sums differs (float rounding). tests/test_loss_memory.py checks value and gradient
-against pytorch-msssim in float64.
+Same value: the blocks use pytorch-msssim's `gaussian_filter` (once on the five inputs stacked
+along channels), its window, padding and pooling, its `_ssim` formula with its constants, and
+the terms are combined by the same relu / pow / prod; only the order of the sums differs
+(float rounding). tests/test_loss_memory.py checks value and gradient against pytorch-msssim
+in float64.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pytorch_msssim.ssim import _fspecial_gauss_1d, _ssim
+from pytorch_msssim.ssim import _fspecial_gauss_1d, gaussian_filter
 
 WIN_SIGMA = 1.5  # pytorch-msssim's default
+C1, C2 = 0.01 ** 2, 0.03 ** 2  # pytorch-msssim's (K1 data_range)^2, (K2 data_range)^2, data_range 1
 
 
 def _window(win_size: int, channels: int, like: torch.Tensor) -> torch.Tensor:
@@ -62,18 +70,56 @@ def _map_width(width: int, win_size: int) -> int:
     return width if width < win_size else width - win_size + 1
 
 
-def _level_means(x, y, win, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ssim, cs) means per (batch, channel) of one scale, summed block by block."""
+def _ssim_maps(x, y, win) -> tuple[torch.Tensor, torch.Tensor]:
+    """pytorch-msssim's `_ssim` maps (data_range 1, K = (0.01, 0.03), compensation 1), with its
+    own `gaussian_filter` applied once to the five inputs stacked along channels instead of five
+    times: a fifth of the convolution launches, which dominate small blocks."""
+    c = x.shape[1]
+    stacked = torch.cat([x, y, x * x, y * y, x * y], dim=1)
+    mu1, mu2, xx, yy, xy = gaussian_filter(stacked, win.repeat(5, 1, 1, 1)).split(c, dim=1)
+    mu1_sq, mu2_sq, mu1_mu2 = mu1.pow(2), mu2.pow(2), mu1 * mu2
+    cs_map = (2 * (xy - mu1_mu2) + C2) / ((xx - mu1_sq) + (yy - mu2_sq) + C2)
+    ssim_map = ((2 * mu1_mu2 + C1) / (mu1_sq + mu2_sq + C1)) * cs_map
+    return ssim_map, cs_map
+
+
+def _map_count(x: torch.Tensor, win_size: int) -> int:
     height, width = x.shape[-2:]
-    total = _map_width(width, win.shape[-1]) * (height if height < win.shape[-1]
-                                                 else height - win.shape[-1] + 1)
+    return _map_width(width, win_size) * _map_width(height, win_size)
+
+
+def _level_means(x, y, win, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ssim, cs) means per (batch, channel) of one scale, summed block by block (no autograd)."""
     ssim_sum = cs_sum = 0
-    for r0, r1, n in _blocks(height, win.shape[-1], rows):
-        s, c = _ssim(x[..., r0:r1, :], y[..., r0:r1, :], data_range=1.0, win=win,
-                     size_average=False)
-        count = n * _map_width(width, win.shape[-1])
-        ssim_sum, cs_sum = ssim_sum + s * count, cs_sum + c * count
+    for r0, r1, _ in _blocks(x.shape[-2], win.shape[-1], rows):
+        s, c = _ssim_maps(x[..., r0:r1, :], y[..., r0:r1, :], win)
+        ssim_sum, cs_sum = ssim_sum + s.flatten(2).sum(-1), cs_sum + c.flatten(2).sum(-1)
+    total = _map_count(x, win.shape[-1])
     return ssim_sum / total, cs_sum / total
+
+
+def _level_pass(x, y, win, rows: int, use_ssim: bool, need: tuple[bool, bool]):
+    """One scale in one pass, block by block: its (ssim, cs) means per (batch, channel) and the
+    gradient maps d(sum over batch and channels of the mean the loss uses)/d(x, y). The loss
+    uses one mean per scale (cs below the coarsest, ssim at it), and each (batch, channel) mean
+    depends on its own image only, so backward needs nothing else: d loss / d mean, known only
+    then, scales each image's map."""
+    total = _map_count(x, win.shape[-1])
+    grads = [torch.zeros_like(t) if n else None for t, n in zip((x, y), need)]
+    ssim_sum = cs_sum = 0
+    for r0, r1, _ in _blocks(x.shape[-2], win.shape[-1], rows):
+        xb = x[..., r0:r1, :].detach().requires_grad_(need[0])
+        yb = y[..., r0:r1, :].detach().requires_grad_(need[1])
+        with torch.enable_grad():
+            s, c = (m.flatten(2).sum(-1) for m in _ssim_maps(xb, yb, win))
+            leaves = [t for t, wanted in zip((xb, yb), need) if wanted]
+            found = iter(torch.autograd.grad((s if use_ssim else c).sum() / total, leaves)
+                         if leaves else ())
+        ssim_sum, cs_sum = ssim_sum + s.detach(), cs_sum + c.detach()
+        for grad, wanted in zip(grads, need):
+            if wanted:
+                grad[..., r0:r1, :] += next(found)
+    return ssim_sum / total, cs_sum / total, grads
 
 
 def _combine(ssim_terms: torch.Tensor, cs_terms: torch.Tensor, weights: torch.Tensor):
@@ -90,30 +136,10 @@ def _terms(xs, ys, win, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([m[0] for m in means]), torch.stack([m[1] for m in means])
 
 
-def _level_grads(x, y, win, rows: int, g_ssim, g_cs, need: tuple[bool, bool]):
-    """d(sum of g_ssim * ssim + g_cs * cs)/d(x, y) for one scale, one block of rows at a time."""
-    height, width = x.shape[-2:]
-    total = _map_width(width, win.shape[-1]) * (height if height < win.shape[-1]
-                                                 else height - win.shape[-1] + 1)
-    grads = [torch.zeros_like(t) if n else None for t, n in zip((x, y), need)]
-    for r0, r1, n in _blocks(height, win.shape[-1], rows):
-        xb = x[..., r0:r1, :].detach().requires_grad_(need[0])
-        yb = y[..., r0:r1, :].detach().requires_grad_(need[1])
-        with torch.enable_grad():
-            s, c = _ssim(xb, yb, data_range=1.0, win=win, size_average=False)
-            count = n * _map_width(width, win.shape[-1])
-            part = ((s * g_ssim + c * g_cs) * (count / total)).sum()
-            leaves = [t for t, wanted in zip((xb, yb), need) if wanted]
-            found = iter(torch.autograd.grad(part, leaves))
-        for grad, wanted in zip(grads, need):
-            if wanted:
-                grad[..., r0:r1, :] += next(found)
-    return grads
-
-
-def _unpool(x_fine: torch.Tensor, grad_coarse: torch.Tensor) -> torch.Tensor:
-    """The gradient that `_pool(x_fine)` sends back to x_fine."""
-    leaf = x_fine.detach().requires_grad_(True)
+def _unpool(grad_coarse: torch.Tensor, fine_shape: torch.Size) -> torch.Tensor:
+    """The gradient that `_pool` of a tensor of `fine_shape` sends back (average pooling's
+    backward reads no values)."""
+    leaf = grad_coarse.new_zeros(fine_shape).requires_grad_(True)
     with torch.enable_grad():
         (grad,) = torch.autograd.grad(_pool(leaf), leaf, grad_coarse)
     return grad
@@ -125,39 +151,39 @@ class ChunkedMSSSIM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, weights: tuple[float, ...], win_size: int, rows: int):
-        win = _window(win_size, x.shape[1], x)
-        w = x.new_tensor(weights)
-        with torch.no_grad():
-            ssim_terms, cs_terms = _terms(_pyramid(x, len(w)), _pyramid(y, len(w)), win, rows)
-            value = _combine(ssim_terms, cs_terms, w)
-        ctx.save_for_backward(x, y)
-        ctx.weights, ctx.win_size, ctx.rows = weights, win_size, rows
-        return value
+        win, w = _window(win_size, x.shape[1], x), x.new_tensor(weights)
+        need = tuple(ctx.needs_input_grad[:2])
+        xs, ys = _pyramid(x, len(w)), _pyramid(y, len(w))
+        levels = [_level_pass(xl, yl, win, rows, level == len(w) - 1, need)
+                  for level, (xl, yl) in enumerate(zip(xs, ys))]
+        ssim_terms = torch.stack([lv[0] for lv in levels])
+        cs_terms = torch.stack([lv[1] for lv in levels])
+        # saved through save_for_backward, so that memstudy's saved-tensor meters count them
+        maps = [g for lv in levels for g in lv[2] if g is not None]
+        ctx.save_for_backward(ssim_terms, cs_terms, *maps)
+        ctx.need, ctx.weights = need, weights
+        return _combine(ssim_terms, cs_terms, w)
 
     @staticmethod
     def backward(ctx, grad_value):
-        x, y = ctx.saved_tensors
-        need = tuple(ctx.needs_input_grad[:2])
-        win, w = _window(ctx.win_size, x.shape[1], x), x.new_tensor(ctx.weights)
-        with torch.no_grad():
-            xs, ys = _pyramid(x, len(w)), _pyramid(y, len(w))
-            ssim_terms, cs_terms = _terms(xs, ys, win, ctx.rows)
+        ssim_terms, cs_terms, *maps = ctx.saved_tensors
+        w = ssim_terms.new_tensor(ctx.weights)
         # d value / d terms: the small (levels, N, C) tensors through the library's combination
         terms = [ssim_terms.detach().requires_grad_(True), cs_terms.detach().requires_grad_(True)]
         with torch.enable_grad():
             g_ssim, g_cs = torch.autograd.grad(_combine(*terms, w), terms, grad_value,
                                                allow_unused=True)
-        g_ssim = torch.zeros_like(ssim_terms) if g_ssim is None else g_ssim
-        g_cs = torch.zeros_like(cs_terms) if g_cs is None else g_cs
+        per_level = iter(maps)
+        level_maps = [[next(per_level) if n else None for n in ctx.need] for _ in range(len(w))]
         grads: list[torch.Tensor | None] = [None, None]
         for level in reversed(range(len(w))):  # coarsest first: its gradient is pooled back
-            here = _level_grads(xs[level], ys[level], win, ctx.rows, g_ssim[level], g_cs[level],
-                                need)
+            g = g_ssim[level] if level == len(w) - 1 else g_cs[level]  # (N, C)
             for i in (0, 1):
-                if need[i]:
+                if ctx.need[i]:
+                    here = level_maps[level][i] * g[..., None, None]
                     if grads[i] is not None:  # from the next coarser scale, through the pooling
-                        here[i] += _unpool((xs, ys)[i][level], grads[i])
-                    grads[i] = here[i]
+                        here += _unpool(grads[i], here.shape)
+                    grads[i] = here
         return grads[0], grads[1], None, None, None
 
 

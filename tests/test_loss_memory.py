@@ -121,10 +121,16 @@ def test_loss_memory_is_a_category_of_its_own(make_config):
 
 def test_chunked_loss_saves_and_peaks_far_less(make_config):
     plain_fwd, plain_bwd, _ = _measured_step(make_config(192, loss_chunk_rows=0))
-    fwd, bwd, independent = _measured_step(make_config(192, loss_chunk_rows=32))
+    # blocks of 16 rows (+10 halo): an eighth of the image, as 256 rows are of 2048 px (its
+    # forward now holds one block's autograd graph besides the gradient maps)
+    fwd, bwd, independent = _measured_step(make_config(192, loss_chunk_rows=16))
     map_bytes = 192 * 224 * 4
-    assert fwd["cat_loss_saved_bytes"] == independent <= map_bytes  # only the target
-    assert fwd["cat_loss_saved_bytes"] < plain_fwd["cat_loss_saved_bytes"] / 8
+    # the gradient maps of the prediction's pyramid (4/3 of a map: 192x224 + 96x112 + ... px)
+    # and the target, which the blocks saved while they ran and the batch keeps alive
+    pyramid = sum((192 >> k) * (224 >> k) * 4 for k in range(5))
+    assert fwd["cat_loss_saved_bytes"] == independent <= pyramid + map_bytes + 64
+    # pytorch-msssim keeps about a dozen maps; the chunked loss 4/3 of one (the target aside)
+    assert fwd["cat_loss_saved_bytes"] < plain_fwd["cat_loss_saved_bytes"] / 5
     assert fwd["loss_peak_bytes"] < plain_fwd["loss_peak_bytes"] / 3
     # in backward the loss holds what it saved plus what its backward allocates on top
     assert (fwd["cat_loss_saved_bytes"] + bwd["loss_peak_bytes"]

@@ -192,9 +192,16 @@ class PhaseRecorder:
         """Saved-tensor observer: remembers each distinct storage kept for backward."""
         if isinstance(packed, torch.Tensor):
             storage, key = packed.untyped_storage(), storage_key(packed)
-            if key not in self._saved and self.loss_meter.active:
+            known = self._saved.get(key)
+            if known is not None and known[1]() is not None:
+                return  # a storage already remembered, still alive
+            # new, or a freed storage's address reused (a block of the chunked loss saves and
+            # frees tensors whose addresses its gradient maps then take): this storage's entry
+            self._saved[key] = (storage.nbytes(), weakref.ref(storage), packed.device)
+            if self.loss_meter.active:
                 self._loss_saved.add(key)  # saved by the loss, not the model
-            self._saved.setdefault(key, (storage.nbytes(), weakref.ref(storage), packed.device))
+            else:
+                self._loss_saved.discard(key)
 
     def _saved_bytes(self, on_device: bool, of_loss: bool = False) -> int:
         """Live saved storages (parameters excluded) here or on the host, the model's or
