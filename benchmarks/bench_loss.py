@@ -4,9 +4,10 @@
         [--rows 0 256 512 1024 2048] [--step-size 4188] [--steps 16]
 
 memstudy computes 1 - MS-SSIM in row blocks by default (`train.loss_chunk_rows = 256`,
-memstudy/msssim_chunked.py): it saves only its inputs, where pytorch-msssim saves about a
-dozen full-resolution maps (978 MB at 4188 px, session 3), but it runs every block's filters
-twice and launches many small kernels. bench_overhead times memstudy with
+memstudy/msssim_chunked.py): it saves one gradient map per scale (4/3 of an image), where
+pytorch-msssim saves about a dozen full-resolution maps (978 MB at 4188 px, session 3), but it
+launches the kernels of every block separately (and, before session 9, ran every block's
+filters twice). bench_overhead times memstudy with
 `loss_chunk_rows = 0`, the loop's loss; this benchmark measures what the default costs.
 
 Part `loss`: the loss alone, forward + backward of 1 - MS-SSIM (5 scales, float32, one image)
