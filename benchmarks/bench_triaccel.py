@@ -48,10 +48,10 @@ from memstudy.models import build_unet
 from memstudy.triaccel.control_units import unet_units
 from memstudy.triaccel.flat_grads import FlatGradients
 from memstudy.runner import execute
-from priming import add_prime_option, prime, primed_note  # benchmarks/ is on sys.path as a script
 from memstudy.store import ResultsDB
 from memstudy.triaccel.score import run_efficiency
 from memstudy.bytesize import MB
+from priming import add_prime_option, prime, primed_note  # benchmarks/ is on sys.path as a script
 from cuda_timing import median_ms  # benchmarks/ is on sys.path when run as a script
 
 TRI = "tri_accel:t_ctrl=2:t_curv=4:b_curv=1:curv_crop=512:power_iters=3:max_batch=8"
