@@ -1,0 +1,51 @@
+"""bench_ladder --part native: the time column is relative to the tuned amp:bf16 step (amp:bf16
+with pytorch-msssim's loss, what bench_overhead shows equals the hand-written loop), not to
+memstudy's default amp:bf16, whose chunked loss is slower (session 9: 3.42x, not 1.96x)."""
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import bench_ladder  # noqa: E402
+
+from memstudy.store import ResultsDB, RunRecord  # noqa: E402
+
+
+def _record(db: ResultsDB, label: str, step_s: float) -> None:
+    config = {"train": {"image_size": 4188, "batch_size": 1}}
+    db.record(RunRecord(config=config, config_hash=label, name=label, status="ok",
+                        env={"device": "cuda", "gpu_name": "GPU"}, started_at=time.time(),
+                        label=label, metrics=[(0, "run", "step_time_s", step_s)]))
+
+
+def _ratios(db_path: Path) -> dict[str, str]:
+    rows = [line.split(" | ") for line in bench_ladder.native_table(db_path) if line.startswith("| ")]
+    header, body = rows[0], rows[1:]  # the separator row starts "|---"
+    column = next(i for i, name in enumerate(header) if name.startswith("time /"))
+    return {r[0].lstrip("| "): r[column] for r in body} | {"header": header[column]}
+
+
+def test_native_time_is_relative_to_the_tuned_amp_bf16_step(tmp_path):
+    db = ResultsDB(tmp_path / "native.sqlite")
+    _record(db, "the set under 4GiB", 0.5)
+    _record(db, bench_ladder.TUNED_LABEL, 0.125)
+    _record(db, "amp:bf16 unconstrained", 0.25)
+    ratios = _ratios(tmp_path / "native.sqlite")
+    assert ratios["header"] == "time / tuned amp:bf16"
+    assert ratios["the set under 4GiB"] == "4.00"
+    assert ratios["amp:bf16 unconstrained"] == "2.00"
+
+
+def test_native_without_a_tuned_row_says_what_it_divides_by(tmp_path):
+    db = ResultsDB(tmp_path / "native.sqlite")
+    _record(db, "the set under 4GiB", 0.5)
+    _record(db, "amp:bf16 unconstrained", 0.25)
+    ratios = _ratios(tmp_path / "native.sqlite")
+    assert ratios["header"].startswith("time / amp:bf16 (chunked loss")
+    assert ratios["the set under 4GiB"] == "2.00"
+
+
+def test_native_runs_include_the_tuned_reference_with_the_unchunked_loss():
+    args = bench_ladder.parse_args(["--part", "native", "--out", "x", "--no-float32"])
+    runs = {label: settings for label, _, _, settings in bench_ladder.native_runs(args)}
+    assert runs[bench_ladder.TUNED_LABEL] == ("train.loss_chunk_rows=0",)
