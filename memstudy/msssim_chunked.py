@@ -189,6 +189,12 @@ class ChunkedMSSSIM(torch.autograd.Function):
 
 def chunked_msssim(x: torch.Tensor, y: torch.Tensor, weights: list[float], win_size: int,
                    rows: int) -> torch.Tensor:
+    if not (torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)):
+        # no gradient wanted (autograd.Function would still report needs_input_grad under
+        # no_grad): the value alone, without building the gradient maps
+        with torch.no_grad():
+            win, w = _window(win_size, x.shape[1], x), x.new_tensor(weights)
+            return _combine(*_terms(_pyramid(x, len(w)), _pyramid(y, len(w)), win, rows), w)
     return ChunkedMSSSIM.apply(x, y, tuple(weights), win_size, rows)
 
 

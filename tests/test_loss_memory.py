@@ -47,6 +47,20 @@ def test_chunked_loss_equals_pytorch_msssim_in_value_and_gradient(shape, scales,
         assert float((got - want).abs().max()) <= TOLERANCE * float(want.abs().max())
 
 
+def test_chunked_loss_without_grad_builds_no_gradient_maps(monkeypatch):
+    """Under no_grad (or on inputs that need no gradient) only the value is computed: the
+    one-pass blocks would otherwise build gradient maps nobody reads."""
+    import memstudy.msssim_chunked as chunked
+
+    x, y = _pair((1, 1, 200, 296))
+    want = float(_reference(x, y, 5).detach())
+    monkeypatch.setattr(chunked, "_level_pass", lambda *a, **k: pytest.fail("gradient pass"))
+    with torch.no_grad():
+        got = 1 - msssim(x, y, msssim_weights(5), chunk_rows=37)
+    assert abs(float(got) - want) <= TOLERANCE
+    assert abs(float(1 - msssim(x.detach(), y.detach(), msssim_weights(5), 37)) - want) <= TOLERANCE
+
+
 def test_loss_module_in_float32_matches_pytorch_msssim():
     """MSSSIMLoss computes in float32: equal to pytorch-msssim in float32 up to the rounding of
     sums taken in another order (1e-5 relative)."""
