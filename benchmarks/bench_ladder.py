@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", default="4GiB", help="native: budget of the tiled run")
     p.add_argument("--tiled-set", default=NATIVE_SET,
                    help="native: techniques of the tiled run(s) under --budget, ';'-separated")
+    p.add_argument("--tiled-settings", default="",
+                   help="native: KEY=VALUE run settings for the tiled run(s), ';'-separated "
+                        "(e.g. train.loss_chunk_rows=1024); named in the run's label")
     p.add_argument("--free-sets", default="",
                    help="native: more sets run without a budget (e.g. to see what a tiled set "
                         "needs and costs unconstrained), ';'-separated")
@@ -140,7 +143,9 @@ TUNED_SETTINGS = ("train.loss_chunk_rows=0",)
 def native_runs(args: argparse.Namespace) -> list[tuple[str, str, str | None, tuple[str, ...]]]:
     """(label, techniques, budget, extra settings) of the runs: the tiled set(s) under the
     budget, the free sets, then the references amp:bf16 (time) and float32 (quality)."""
-    runs = [(f"{s} under {args.budget}", s, args.budget, ()) for s in _sets(args.tiled_set)]
+    tiled = tuple(_sets(args.tiled_settings))
+    named = "".join(f", {t}" for t in tiled)
+    runs = [(f"{s} under {args.budget}{named}", s, args.budget, tiled) for s in _sets(args.tiled_set)]
     runs += [(f"{s} unconstrained", s, None, ()) for s in _sets(args.free_sets)]
     runs.append((TUNED_LABEL, "amp:bf16", None, TUNED_SETTINGS))
     runs.append(("amp:bf16 unconstrained", "amp:bf16", None, ()))

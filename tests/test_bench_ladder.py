@@ -49,3 +49,13 @@ def test_native_runs_include_the_tuned_reference_with_the_unchunked_loss():
     args = bench_ladder.parse_args(["--part", "native", "--out", "x", "--no-float32"])
     runs = {label: settings for label, _, _, settings in bench_ladder.native_runs(args)}
     assert runs[bench_ladder.TUNED_LABEL] == ("train.loss_chunk_rows=0",)
+
+
+def test_native_tiled_settings_reach_the_tiled_runs_only_and_their_label():
+    args = bench_ladder.parse_args(["--part", "native", "--out", "x", "--no-float32",
+                                    "--tiled-settings", "train.loss_chunk_rows=1024"])
+    runs = bench_ladder.native_runs(args)
+    tiled = [r for r in runs if r[2] == "4GiB"]
+    assert tiled and all(r[3] == ("train.loss_chunk_rows=1024",) for r in tiled)
+    assert all(r[0].endswith(", train.loss_chunk_rows=1024") for r in tiled)
+    assert all("train.loss_chunk_rows=1024" not in r[3] for r in runs if r[2] is None)
