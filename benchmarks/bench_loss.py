@@ -7,13 +7,14 @@ memstudy computes 1 - MS-SSIM in row blocks by default (`train.loss_chunk_rows =
 memstudy/msssim_chunked.py): it saves one gradient map per scale (4/3 of an image), where
 pytorch-msssim saves about a dozen full-resolution maps (978 MB at 4188 px, session 3), but it
 launches the kernels of every block separately (and, before session 9, ran every block's
-filters twice). bench_overhead times memstudy with
-`loss_chunk_rows = 0`, the loop's loss; this benchmark measures what the default costs.
+filters twice). bench_overhead times memstudy with `loss_chunk_rows = 0`, the loop's loss;
+this benchmark measures what the default costs.
 
 Part `loss`: the loss alone, forward + backward of 1 - MS-SSIM (5 scales, float32, one image)
-on a random target and a prediction correlated with it (0.9 target + 0.1 noise) at each --sizes, for each --rows (0 = pytorch-msssim):
-median milliseconds of 20 calls after 5 (CUDA events, benchmarks/cuda_timing.py) and the
-peak allocated above the two inputs and their gradient.
+on a random target and a prediction correlated with it (0.9 target + 0.1 noise) at each
+--sizes, for each --rows (0 = pytorch-msssim): median milliseconds of 20 calls after 5 (CUDA
+events, benchmarks/cuda_timing.py) and the peak allocated above the two inputs and their
+gradient.
 
 Part `step`: memstudy's plain step (memstudy.runner.execute, amp:bf16, the tuned baseline's
 settings, one phantom, --steps timed steps after 2 warm-up and 1 metered) at --step-size with
@@ -26,15 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from cuda_timing import median_ms  # benchmarks/ is on sys.path when run as a script
+from memstudy.bytesize import MB
 from priming import prime
-
-MB = 2 ** 20
 
 
 def loss_row(size: int, rows: int) -> dict:
@@ -64,27 +65,16 @@ def loss_row(size: int, rows: int) -> dict:
 
 
 def step_rows(size: int, steps: int, cache_dir: str) -> list[dict]:
-    from bench_overhead import memstudy_config
-    from memstudy.runner import execute
+    """bench_overhead's memstudy run of amp:bf16 (2 warm-up steps) with each loss, primed."""
+    from bench_overhead import measure, timed_config
 
     configs = []
     for rows in (0, 256):
-        cfg = memstudy_config(size, ["amp:bf16"], cache_dir)
+        cfg = timed_config(size, ["amp:bf16"], 2, steps, cache_dir)
         cfg.train.loss_chunk_rows = rows
-        cfg.train.warmup_steps, cfg.train.measure_steps = 2, 1
-        cfg.train.max_steps = cfg.train.epochs = 2 + 1 + steps
         configs.append(cfg)
     prime(configs)
-    out = []
-    for cfg in configs:
-        rec = execute(cfg, db=None)
-        if rec.status != "ok":
-            raise RuntimeError(f"loss_chunk_rows={cfg.train.loss_chunk_rows}: {rec.status} {rec.error}")
-        run = {n: v for _, phase, n, v in rec.metrics if phase == "run"}
-        out.append({"size": size, "rows": cfg.train.loss_chunk_rows,
-                    "step_time_s": run["step_time_s"],
-                    "peak_alloc_bytes": run.get("alloc_peak_total_bytes")})
-    return out
+    return [{"size": size, "rows": cfg.train.loss_chunk_rows, **measure(cfg)} for cfg in configs]
 
 
 def markdown(loss: list[dict], steps: list[dict], gpu: str) -> str:
@@ -125,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"{loss[-1]['peak_bytes'] / MB:.0f} MB", flush=True)
                 torch.cuda.empty_cache()
     if "step" in args.parts:
-        import os
         steps = step_rows(args.step_size, args.steps,
                           os.environ.get("MEMSTUDY_CACHE") or str(out / "phantoms"))
         for r in steps:

@@ -130,22 +130,34 @@ def training_pair(size: int, cache_dir: str) -> tuple[torch.Tensor, torch.Tensor
     return x[None], y[None]
 
 
-def time_memstudy(size: int, techniques: list[str], warmup: int, steps: int, cache_dir: str) -> dict:
-    from memstudy.runner import execute
-
+def timed_config(size: int, techniques: list[str], warmup: int, steps: int, cache_dir: str):
+    """memstudy's run of `steps` plain steps after `warmup` warm-up steps and one metered step."""
     cfg = memstudy_config(size, techniques, cache_dir)
     cfg.train.warmup_steps, cfg.train.measure_steps = warmup, 1
     cfg.train.max_steps = warmup + 1 + steps
     cfg.train.epochs = cfg.train.max_steps
+    return cfg
+
+
+def measure(cfg) -> dict:
+    """Run `cfg` unrecorded: its median plain step, metered step and peak (an error if not ok)."""
+    from memstudy.runner import execute
+
     rec = execute(cfg, db=None)
     if rec.status != "ok":
-        raise RuntimeError(f"memstudy {techniques} at {size} px: {rec.status} {rec.error}")
+        raise RuntimeError(f"memstudy {cfg.techniques} at {cfg.train.image_size} px: "
+                           f"{rec.status} {rec.error}")
     run = {n: v for _, phase, n, v in rec.metrics if phase == "run"}
     torch.cuda.empty_cache()
     return {"step_time_s": run["step_time_s"], "metered_step_time_s": run.get("metered_step_time_s"),
-            "peak_alloc_bytes": run.get("alloc_peak_total_bytes"), "steps": steps,
+            "peak_alloc_bytes": run.get("alloc_peak_total_bytes"),
+            "steps": cfg.train.max_steps - cfg.train.warmup_steps - 1,
             "channels_last": rec.config["train"]["channels_last"],
             "cudnn_benchmark": rec.config["train"]["cudnn_benchmark"]}
+
+
+def time_memstudy(size: int, techniques: list[str], warmup: int, steps: int, cache_dir: str) -> dict:
+    return measure(timed_config(size, techniques, warmup, steps, cache_dir))
 
 
 def markdown(rows: list[dict], gpu: str, complete: bool) -> str:

@@ -206,10 +206,11 @@ def markdown(rows: list[dict], gpu: str, args) -> str:
              f"{args.train_images} synthetic phantoms, batch 1 at start; validation in float32 "
              f"(train.val_precision) in every row. Score = Q / (T x M) x 100 "
              f"(docs/triaccel.md). Energy: NVML counter over the training loop; time to target: "
-             f"wall time until the validation loss first reached {args.target} (- never)"
+             f"wall time until the validation loss first reached {args.target} (- never)."
              + (f" Every tri_accel spec + `{args.tri_extra}`" if args.tri_extra else "")
-             + (f": the best trial (run {args.tuned_run}) of `memstudy tune {args.tune_spec}` in "
-                f"{args.source}." if args.source else ".") + " " + primed_note(args.prime), ""]
+             + ((f": the best trial (run {args.tuned_run}) of `memstudy tune {args.tune_spec}` in "
+                 f"{args.source}." if args.source else ".") if args.tri_extra else "")
+             + " " + primed_note(args.prime), ""]
     for size in sorted({r["size"] for r in rows}):
         here = [r for r in rows if r["size"] == size]
         base = next((r for r in here if r["name"] == "fp32" and r.get("peak_bytes")), None)

@@ -88,22 +88,12 @@ def _map_count(x: torch.Tensor, win_size: int) -> int:
     return _map_width(width, win_size) * _map_width(height, win_size)
 
 
-def _level_means(x, y, win, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ssim, cs) means per (batch, channel) of one scale, summed block by block (no autograd)."""
-    ssim_sum = cs_sum = 0
-    for r0, r1, _ in _blocks(x.shape[-2], win.shape[-1], rows):
-        s, c = _ssim_maps(x[..., r0:r1, :], y[..., r0:r1, :], win)
-        ssim_sum, cs_sum = ssim_sum + s.flatten(2).sum(-1), cs_sum + c.flatten(2).sum(-1)
-    total = _map_count(x, win.shape[-1])
-    return ssim_sum / total, cs_sum / total
-
-
 def _level_pass(x, y, win, rows: int, use_ssim: bool, need: tuple[bool, bool]):
     """One scale in one pass, block by block: its (ssim, cs) means per (batch, channel) and the
     gradient maps d(sum over batch and channels of the mean the loss uses)/d(x, y). The loss
     uses one mean per scale (cs below the coarsest, ssim at it), and each (batch, channel) mean
     depends on its own image only, so backward needs nothing else: d loss / d mean, known only
-    then, scales each image's map."""
+    then, scales each image's map. With need (False, False): the means alone, no graph."""
     total = _map_count(x, win.shape[-1])
     grads = [torch.zeros_like(t) if n else None for t, n in zip((x, y), need)]
     ssim_sum = cs_sum = 0
@@ -131,9 +121,14 @@ def _combine(ssim_terms: torch.Tensor, cs_terms: torch.Tensor, weights: torch.Te
     return torch.prod(stacked ** weights.view(-1, 1, 1), dim=0).mean()
 
 
-def _terms(xs, ys, win, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    means = [_level_means(x, y, win, rows) for x, y in zip(xs, ys)]
-    return torch.stack([m[0] for m in means]), torch.stack([m[1] for m in means])
+def _scales(x, y, weights: torch.Tensor, win, rows: int, need: tuple[bool, bool]):
+    """(ssim terms, cs terms) as (levels, N, C) tensors over the pyramid of x and y, and each
+    level's gradient maps for the inputs in `need` (finest first; `_level_pass`)."""
+    levels = [_level_pass(xl, yl, win, rows, level == len(weights) - 1, need)
+              for level, (xl, yl) in enumerate(zip(_pyramid(x, len(weights)),
+                                                    _pyramid(y, len(weights))))]
+    return (torch.stack([lv[0] for lv in levels]), torch.stack([lv[1] for lv in levels]),
+            [lv[2] for lv in levels])
 
 
 def _unpool(grad_coarse: torch.Tensor, fine_shape: torch.Size) -> torch.Tensor:
@@ -153,13 +148,9 @@ class ChunkedMSSSIM(torch.autograd.Function):
     def forward(ctx, x, y, weights: tuple[float, ...], win_size: int, rows: int):
         win, w = _window(win_size, x.shape[1], x), x.new_tensor(weights)
         need = tuple(ctx.needs_input_grad[:2])
-        xs, ys = _pyramid(x, len(w)), _pyramid(y, len(w))
-        levels = [_level_pass(xl, yl, win, rows, level == len(w) - 1, need)
-                  for level, (xl, yl) in enumerate(zip(xs, ys))]
-        ssim_terms = torch.stack([lv[0] for lv in levels])
-        cs_terms = torch.stack([lv[1] for lv in levels])
+        ssim_terms, cs_terms, level_maps = _scales(x, y, w, win, rows, need)
         # saved through save_for_backward, so that memstudy's saved-tensor meters count them
-        maps = [g for lv in levels for g in lv[2] if g is not None]
+        maps = [g for grads in level_maps for g in grads if g is not None]
         ctx.save_for_backward(ssim_terms, cs_terms, *maps)
         ctx.need, ctx.weights = need, weights
         return _combine(ssim_terms, cs_terms, w)
@@ -192,9 +183,7 @@ def chunked_msssim(x: torch.Tensor, y: torch.Tensor, weights: list[float], win_s
     if not (torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)):
         # no gradient wanted (autograd.Function would still report needs_input_grad under
         # no_grad): the value alone, without building the gradient maps
-        with torch.no_grad():
-            win, w = _window(win_size, x.shape[1], x), x.new_tensor(weights)
-            return _combine(*_terms(_pyramid(x, len(w)), _pyramid(y, len(w)), win, rows), w)
+        return chunked_ssim_and_msssim(x, y, weights, win_size, rows)[1]
     return ChunkedMSSSIM.apply(x, y, tuple(weights), win_size, rows)
 
 
@@ -204,5 +193,5 @@ def chunked_ssim_and_msssim(x, y, weights: list[float], win_size: int,
     """(SSIM, MS-SSIM) of a validation batch in one chunked pass: SSIM is the finest scale's
     ssim mean, exactly pytorch-msssim's `ssim` (size_average)."""
     win, w = _window(win_size, x.shape[1], x), x.new_tensor(weights)
-    ssim_terms, cs_terms = _terms(_pyramid(x, len(w)), _pyramid(y, len(w)), win, rows)
+    ssim_terms, cs_terms, _ = _scales(x, y, w, win, rows, (False, False))
     return ssim_terms[0].mean(), _combine(ssim_terms, cs_terms, w)

@@ -54,11 +54,14 @@ def test_chunked_loss_without_grad_builds_no_gradient_maps(monkeypatch):
 
     x, y = _pair((1, 1, 200, 296))
     want = float(_reference(x, y, 5).detach())
-    monkeypatch.setattr(chunked, "_level_pass", lambda *a, **k: pytest.fail("gradient pass"))
+    level_pass, needs = chunked._level_pass, []
+    monkeypatch.setattr(chunked, "_level_pass",
+                        lambda *a: needs.append(a[-1]) or level_pass(*a))
     with torch.no_grad():
         got = 1 - msssim(x, y, msssim_weights(5), chunk_rows=37)
     assert abs(float(got) - want) <= TOLERANCE
     assert abs(float(1 - msssim(x.detach(), y.detach(), msssim_weights(5), 37)) - want) <= TOLERANCE
+    assert len(needs) == 10 and set(needs) == {(False, False)}  # 5 scales, twice: no gradient maps
 
 
 def test_loss_module_in_float32_matches_pytorch_msssim():
