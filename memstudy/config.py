@@ -29,7 +29,7 @@ DEVICES = ("auto", "cpu", "cuda")
 VAL_PRECISIONS = ("run", "float32")  # train.val_precision
 # Settings added after results were recorded, left out of the config hash at their default
 # (what every earlier run did), so recorded grids, maxres probes and tune trials still resume.
-HASH_NEUTRAL_DEFAULTS = (("train", "val_precision", "run"),)
+HASH_NEUTRAL_DEFAULTS = (("train", "val_precision", "run"), ("meter", "profile", False))
 
 
 @dataclass
@@ -150,6 +150,9 @@ class MeterConfig:
     tensor: str = "auto"  # tensor-level meter: auto = on for the CPU, off on a GPU (it costs time)
     nvml: bool = True  # sample NVML device memory during phases (GPU only)
     nvml_interval_ms: float = 2.0
+    # profile the last warm-up step (GPU only, needs warmup_steps >= 2): kernel launches and
+    # GPU-busy time per step (memstudy/meters/profile.py)
+    profile: bool = False
 
     def check(self) -> None:
         if self.tensor not in ("auto", "on", "off"):
