@@ -176,7 +176,8 @@ def apply(opts: Options, build: Build) -> None:
 
 def _graph_rows(graphs: TileGraphs, rank: int) -> list[tuple[int, int, str, float]]:
     """The run's graph counts (series step 0): graphs captured, tiles run eagerly past the limit."""
-    return [(rank, 0, f"tile_{name}", float(value)) for name, value in graphs.record.items()]
+    return [(rank, 0, f"tile_{name}", float(graphs.record[name]))
+            for name in ("graphs_captured", "eager_tiles")]
 
 
 register(Technique("tile", Stage.ACTIVATION, Options,

@@ -38,6 +38,7 @@ tile:graph_fallback=true, runs further geometries eagerly and records how many t
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -264,11 +265,12 @@ class TileGraphs:
         local = self._local(tile)
 
         def body(accumulate: bool, facts: dict) -> None:
-            with torch.enable_grad(), self._autocast(sweep):
+            with torch.enable_grad(), self._autocast(sweep), \
+                    _aliased(region.modules, params) as aliases:
                 leaves_in = [s.detach().requires_grad_(needs[i]) for i, s in enumerate(strips)]
                 leaves_flat = [None if t is None else t.detach().requires_grad_(needs[n + j])
                                for j, t in enumerate(flat)]
-                leaves = leaves_in + leaves_flat + list(params)
+                leaves = leaves_in + leaves_flat + aliases
                 out = TileRun(region, local, sweep.unpack([*leaves_in, *leaves_flat])[1],
                               target)(leaves_in)
                 grad_out = StatsSeed.affine(out, *seeds) if len(seeds) == 3 else seeds[0]
@@ -310,3 +312,27 @@ class TileGraphs:
         owned = max(b - a for a, b in (t.own for t in sweep.tiles))
         rows = seed.rows(tile, factor)
         return [self._copied(("gout", name), rows, owned * factor * rows[..., :1, :].numel())]
+
+
+@contextlib.contextmanager
+def _aliased(modules: Sequence[torch.nn.Module], params: Sequence[torch.Tensor]):
+    """The modules' parameters `params` replaced, while inside, by leaves made here that share
+    their storage. Why: a parameter's own autograd leaf (its AccumulateGrad node) was made on the
+    default stream in the step's forward; differentiating with respect to it inside a capture
+    on a side stream would make the default stream a dependency of the capture, which CUDA
+    refuses. The aliases read the same memory, which the optimizer updates in place, so every
+    replay sees the current weights."""
+    wanted = {id(p): p for p in params}
+    aliases: dict[int, torch.Tensor] = {}
+    swapped = []
+    for module in (sub for m in modules for sub in m.modules()):
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in wanted:
+                alias = aliases.setdefault(id(p), p.detach().requires_grad_(True))
+                swapped.append((module, name, p))
+                module._parameters[name] = alias
+    try:
+        yield [aliases[id(p)] for p in params]
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
