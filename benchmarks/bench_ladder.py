@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "needs and costs unconstrained), ';'-separated")
     p.add_argument("--no-float32", action="store_true",
                    help="native: skip the float32 reference (quality column then empty)")
+    p.add_argument("--no-references", action="store_true",
+                   help="native: run the tiled and free sets only (no amp:bf16 / float32 "
+                        "references: e.g. at sizes where an absolute step time is the target)")
     p.add_argument("--timeout", type=float, default=600, help="per-run / per-probe timeout (s)")
     return p.parse_args(argv)
 
@@ -147,6 +150,8 @@ def native_runs(args: argparse.Namespace) -> list[tuple[str, str, str | None, tu
     named = "".join(f", {t}" for t in tiled)
     runs = [(f"{s} under {args.budget}{named}", s, args.budget, tiled) for s in _sets(args.tiled_set)]
     runs += [(f"{s} unconstrained", s, None, ()) for s in _sets(args.free_sets)]
+    if args.no_references:
+        return runs
     runs.append((TUNED_LABEL, "amp:bf16", None, TUNED_SETTINGS))
     runs.append(("amp:bf16 unconstrained", "amp:bf16", None, ()))
     if not args.no_float32:

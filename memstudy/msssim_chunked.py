@@ -129,7 +129,11 @@ def _combine(ssim_terms: torch.Tensor, cs_terms: torch.Tensor, weights: torch.Te
     if len(weights) == 1:
         return ssim_terms[0].mean()
     stacked = torch.cat([torch.relu(cs_terms[:-1]), torch.relu(ssim_terms[-1:])], dim=0)
-    return torch.prod(stacked ** weights.view(-1, 1, 1), dim=0).mean()
+    powered = stacked ** weights.view(-1, 1, 1)
+    product = powered[0]
+    for term in powered[1:]:  # not torch.prod: its backward looks for zeros on the host (a sync)
+        product = product * term
+    return product.mean()
 
 
 def _scales(x, y, weights: torch.Tensor, win, rows: int, need: tuple[bool, bool]):
