@@ -1,4 +1,4 @@
-"""The budget ladder (issue 13 part 4): largest trainable square size per emulated budget, and
+"""The budget ladder: largest trainable square size per emulated budget, and
 native 4188 x 4188 training under 4 GiB.
 
 --part ladder: for each budget in --budgets (CUDA context included, emulated as docs/budget.md
@@ -28,9 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-# the best sets measured (benchmarks/BENCHMARKS.md, session 5): boundary offload + keep=all at
-# levels=2 up to 6 GiB, levels=3 for 8192 px under 8 GiB
-BEST = ("amp:bf16,checkpoint,offload:which=boundaries,tile:16:keep=all,"
+# the best sets measured (docs/techniques/tile.md, "Measured"): boundary offload + keep=all at
+# levels=2 up to 6 GiB (8 strips fit 4 GiB since offload moves tile's region inputs), levels=3
+# for 8192 px under 8 GiB
+BEST = ("amp:bf16,checkpoint,offload:which=boundaries,tile:8:keep=all,"
         "allocator:expandable_segments=true")
 BEST_LEVELS3 = ("amp:bf16,checkpoint,offload:which=boundaries,tile:32:levels=3:keep=conv1,"
                 "allocator:expandable_segments=true")

@@ -1,4 +1,4 @@
-"""Exact tiling (`tile`, issue 13) and tiled validation (issue 12) at large sizes on one GPU.
+"""Exact tiling (`tile`) and tiled validation at large sizes on one GPU.
 
 For each size (default 2048 and 4188, batch 1, phantoms) runs, each in its own process
 (`memstudy run`, so every peak is measured from a fresh allocator):

@@ -51,7 +51,7 @@ for item in $STEPS; do
         techniques) $PY benchmarks/bench_techniques.py --skip loss --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
         techniques-loss) $PY benchmarks/bench_techniques.py --skip memory --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques-loss.md" 2>&1 | tee "$RES/techniques-loss.log" ;;
         maxres) $PY benchmarks/bench_maxres.py --out "$RES/maxres" ${MAXRES_ARGS:-} 2>&1 | tee "$RES/maxres.log" ;;
-        # issue 11: maxres under 8 GiB with the best compile set only (each probe compiles its size;
+        # maxres under 8 GiB with the best compile set only (each probe compiles its size;
         # fit sizes where activations dominate: at 256-512 px the prediction was noise, docs/report.md)
         maxres-compile) $PY -m memstudy --db "$RES/maxres-compile.sqlite" maxres --device cuda --budget 8GiB --step 256 --max-size 8192 ${MAXRESCOMPILE_ARGS:---sets amp:bf16,compile:memory_budget=0.5,allocator:expandable_segments=true --fit-sizes 2048,3072} 2>&1 | tee "$RES/maxres-compile.log" ;;
         accumulate) $PY benchmarks/bench_accumulate.py --out "$RES/accumulate" ${ACCUMULATE_ARGS:-} 2>&1 | tee "$RES/accumulate.log" ;;

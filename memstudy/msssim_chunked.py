@@ -20,7 +20,7 @@ temporaries drop from full maps to one block's maps.
 Cost: one forward and one backward per block, as pytorch-msssim does for the whole image, plus
 a kernel launch overhead per block that grows as `rows` shrinks (bench_loss.py measures it).
 An earlier version ran the blocks without autograd in forward and again with it in backward
-(2.5x pytorch-msssim's time at 4188 px, H100 session 9).
+(2.5x pytorch-msssim's time at 4188 px on an H100, bench_loss).
 
 Same value: the blocks use pytorch-msssim's `gaussian_filter` (once on the five inputs stacked
 along channels), its window, padding and pooling, its `_ssim` formula with its constants, and
