@@ -119,8 +119,13 @@ def quality_at_found(results, budget: str, args: argparse.Namespace, out: Path) 
             run_native(db, _with(args, size=str(r.found_px), steps=args.quality_steps),
                        f"{','.join(r.techniques)} at {r.found_px} px under {budget}",
                        ",".join(r.techniques), budget, ())
+    found = max((r.found_px for r in results if r.found_px), default=None)
+    if found:  # the rung's time reference: the tuned step, unconstrained, at the found size
+        run_native(db, _with(args, size=str(found), steps=args.quality_steps), TUNED_LABEL,
+                   "amp:bf16", None, TUNED_SETTINGS)
     rows = native_table(db, exclude=before)
-    heading = f"Training at the found size ({args.quality_steps} steps, validated):"
+    heading = (f"Training at the found size ({args.quality_steps} steps, validated), beside the "
+               f"tuned amp:bf16 step unconstrained at {found} px:")
     return ["", heading, ""] + rows[2:]
 
 
