@@ -223,11 +223,14 @@ def test_scheduler_never_overlaps_gpus(monkeypatch, tmp_path):
 
     from conftest import small_config
 
-    cells = [Cell(index=i + 1, config=small_config(seed=i), gpus=n) for i, n in enumerate([1, 2, 1])]
+    from memstudy.grid.claims import Runner
+
+    cells = [Cell(index=i + 1, config=small_config(seed=i), hash=f"h{i}", gpus=n)
+             for i, n in enumerate([1, 2, 1])]
     monkeypatch.setattr(grid_run, "CellProcess", FakeChild)
     result = GridResult(cells)
-    grid_run._Scheduler(result, cells, GpuSlots(["3", "5"]), tmp_path / "r.sqlite", None,
-                        lambda _m: None, 0.0).run()
+    grid_run._Scheduler(result, cells, GpuSlots(["3", "5"]), ResultsDB(tmp_path / "r.sqlite"),
+                        None, lambda _m: None, 0.0, Runner.this_process()).run()
     assert result.outcomes == {1: "ok", 2: "ok", 3: "ok"}
     assert log == [(0, "3"), (1, "3,5"), (2, "3")]  # in order; the wide cell waited for both
 
