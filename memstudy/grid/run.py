@@ -12,6 +12,7 @@ from typing import Callable
 from memstudy.grid import claims
 from memstudy.grid.cells import CRASHED, KILLED, CellProcess
 from memstudy.grid.claims import Holder, Runner
+from memstudy.grid.history import older_records
 from memstudy.grid.spec import Cell, GridSpec, expand
 from memstudy.store import ResultsDB
 
@@ -60,6 +61,8 @@ def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
             result.outcomes[cell.index] = "recorded earlier (skipped)"
         else:
             todo.append(cell)
+    for index, why in older_records(todo, db).items():
+        progress(f"[{index}/{len(cells)}] {why}")
     _Scheduler(result, todo, GpuSlots(pool), db, spec.timeout_s, progress, poll_s,
                runner, retry).run()
     return result

@@ -187,7 +187,10 @@ def plan_outcomes(cells: list[Cell], db, retry: frozenset[str] = frozenset()) ->
     """What a run would do with each cell (for --dry-run), with --retry `retry`."""
     from memstudy.grid.claims import Runner, attempt_kind, latest_attempts, wants_rerun
 
+    from memstudy.grid.history import older_records
+
     attempts, now = latest_attempts(db), Runner.this_process()
+    older = older_records(cells, db)
     outcomes = {}
     for c in cells:
         last = attempts.get(c.hash)
@@ -198,4 +201,6 @@ def plan_outcomes(cells: list[Cell], db, retry: frozenset[str] = frozenset()) ->
         else:
             outcomes[c.index] = ("to run" if last is None else
                                  f"to run again (last: {attempt_kind(last['status'], last['failed_phase'])})")
+            if c.index in older:
+                outcomes[c.index] += f"; {older[c.index]}"
     return outcomes
