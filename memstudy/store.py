@@ -191,15 +191,16 @@ class ResultsDB:
 
     def __init__(self, path: str | Path | None = None, create: bool = True):
         self.path = Path(path or default_db_path())
-        self.create = create
         check_database_file(self.path)
         if not self.path.exists():
             if not create:
                 raise DatabaseError(f"results database {self.path} not found; run a grid first "
                                     "or pass --db / set MEMSTUDY_DB")
             self._create()
-        with self.transaction() as con:
-            self._check_schema(con)
+        self._check_memstudy()
+        if create:
+            with self.transaction() as con:
+                _migrate(con)
 
     def _create(self) -> None:
         """Build the schema in a scratch file and link it into place: a runner starting at the
@@ -227,21 +228,23 @@ class ResultsDB:
         finally:
             scratch.unlink(missing_ok=True)
 
-    def _check_schema(self, con: sqlite3.Connection) -> None:
-        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    def _check_memstudy(self) -> None:
+        """Refuse another program's SQLite file, looking only (read-only, before any pragma
+        of ours could change its header)."""
+        try:
+            con = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True,
+                                  timeout=BUSY_TIMEOUT_S)
+            try:
+                tables = {r[0] for r in con.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'")}
+            finally:
+                con.close()
+        except sqlite3.Error as exc:
+            raise explain(self.path, exc) from None
         if "runs" not in tables:
             raise DatabaseError(f"{self.path} is an SQLite database of another program (tables: "
                                 f"{', '.join(sorted(tables)) or 'none'}), not memstudy results; "
                                 "pass another --db")
-        if not self.create or ("claims" in tables and "run_uid" in _columns(con, "main", "runs")):
-            return
-        try:  # a database of an older memstudy: add what this one records
-            con.executescript(SCHEMA)
-            _add_run_uid(con)
-        except sqlite3.OperationalError as exc:
-            if "readonly" not in str(exc):
-                raise
-            # a read-only older database still reads; writing to it names the problem then
 
     def _connect(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S)
@@ -359,6 +362,20 @@ def merge_databases(target: str | Path, sources: list[str | Path]) -> list[tuple
 
 def _columns(con: sqlite3.Connection, schema: str, table: str) -> list[str]:
     return [r[1] for r in con.execute(f"PRAGMA {schema}.table_info({table})")]
+
+
+def _migrate(con: sqlite3.Connection) -> None:
+    """Add what this memstudy records to a database of an older one (nothing if present)."""
+    if "run_uid" in _columns(con, "main", "runs") and con.execute(
+            "SELECT 1 FROM sqlite_master WHERE name = 'claims'").fetchone():
+        return
+    try:
+        con.executescript(SCHEMA)
+        _add_run_uid(con)
+    except sqlite3.OperationalError as exc:
+        if "readonly" not in str(exc):
+            raise
+        # a read-only older database still reads; writing to it names the problem then
 
 
 def _add_run_uid(con: sqlite3.Connection) -> None:
