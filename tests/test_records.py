@@ -62,17 +62,20 @@ def one_error_line(stderr: str, *names: str) -> str:
 # ------------------------------------------------------------------ claims: one run per cell
 @pytest.mark.slow
 def test_two_concurrent_runners_run_each_cell_once(tmp_path):
+    """Both start together; the cell runs once and the other runner says who has it (or, if
+    it came late, that the cell is recorded)."""
     db = tmp_path / "r.sqlite"
-    spec = write_spec(tmp_path, [192, 224])
+    spec = write_spec(tmp_path, [192])
     cmd = [sys.executable, "-m", "memstudy", "--db", str(db), "grid", str(spec)]
     runners = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for _ in range(2)]
     outputs = [r.communicate(timeout=300)[0] for r in runners]
     assert [r.returncode for r in runners] == [0, 0], outputs
-    runs = ResultsDB(db).runs()
-    assert len(runs) == 2 and len({r["config_hash"] for r in runs}) == 2, outputs
-    for log in (tmp_path / "r.cells").glob("*.log"):  # one attempt each, none overwritten
-        assert log.read_text().count("=== ") == 1
+    assert len(ResultsDB(db).runs()) == 1, outputs
+    assert any("not run here: claimed by the runner" in out or "recorded" in out
+               for out in outputs), outputs
+    (log,) = (tmp_path / "r.cells").glob("*.log")  # one attempt, not overwritten
+    assert log.read_text().count("=== ") == 1
     assert ResultsDB(db).query("SELECT * FROM claims") == []  # every claim released
 
 
