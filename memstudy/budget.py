@@ -23,21 +23,13 @@ from typing import Any
 
 import torch
 
+from memstudy.bytesize import mb
+from memstudy.config import budget_size
 from memstudy.errors import ConfigError
-from memstudy.bytesize import mb, parse_bytes
 
 
 def budget_bytes(budget: str | int | None) -> int | None:
-    if budget is None:
-        return None
-    try:
-        limit = parse_bytes(budget, "budget")
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if limit <= 0:
-        raise ConfigError(f"budget {budget!r} holds nothing; give a positive size, e.g. "
-                          "--budget 8GiB, or leave the budget out")
-    return limit
+    return None if budget is None else budget_size(budget)
 
 
 def parameter_floor(plan) -> int:

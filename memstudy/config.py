@@ -221,13 +221,7 @@ class RunConfig:
             raise ConfigError(str(exc)) from None
         check_size_source(self.train.image_size, self.data.source, self.data.resize)
         if self.budget is not None:
-            try:
-                limit = parse_bytes(self.budget, "budget")
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            if limit <= 0:  # a cap of nothing: refused, not run into an 'oom'
-                raise ConfigError(f"budget {self.budget!r} holds nothing; give a positive size, "
-                                  "e.g. --budget 8GiB, or leave the budget out")
+            budget_size(self.budget)
         if self.world_size < 1:
             raise ConfigError(f"world_size must be >= 1 (got {self.world_size})")
         if self.encoder_weights and not Path(self.encoder_weights).is_file():
@@ -276,6 +270,19 @@ class RunConfig:
         if HASH_SCHEMA > 1:  # schema 1 is left out, so databases recorded before it resume
             d["hash_schema"] = HASH_SCHEMA
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def budget_size(budget: ByteSize) -> int:
+    """A budget in bytes; a malformed one, or one of 0 (a cap of nothing, which would only run
+    into an 'oom'), is refused naming the flag."""
+    try:
+        limit = parse_bytes(budget, "budget")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if limit <= 0:
+        raise ConfigError(f"budget {budget!r} holds nothing; give a positive size, e.g. "
+                          "--budget 8GiB, or leave the budget out")
+    return limit
 
 
 _SECTIONS = {"train": TrainConfig, "data": DataConfig, "meter": MeterConfig}
