@@ -53,8 +53,10 @@ class TrainConfig:
     measure_steps: int = 3  # steps after warm-up measured phase by phase
     msssim_scales: int = 5  # MS-SSIM scales; decides the smallest trainable image
     # MS-SSIM loss computed in blocks of this many map rows (memstudy/msssim_chunked.py: same
-    # value and gradient, no full-resolution maps kept); 0 = pytorch-msssim's own autograd
-    loss_chunk_rows: int = 256
+    # value and gradient, no full-resolution maps kept); 0 = pytorch-msssim's own autograd;
+    # "auto" = the largest block that fits the memory left under the allocator's cap when the
+    # loss runs (quality.auto_chunk_rows; 256 rows on the CPU, which has no cap)
+    loss_chunk_rows: int | str = "auto"
     validate: bool = True
     # The tuned baseline a hand-written CUDA loop uses (docs/metrics.md, "Run settings"); unset
     # (None) means on for CUDA, off on the CPU, and the resolved config stores what was used.
@@ -126,9 +128,10 @@ class TrainConfig:
             raise ConfigError(f"train.lr must be > 0 (got {self.lr})")
         if not 1 <= self.msssim_scales <= 5:
             raise ConfigError(f"train.msssim_scales must be 1..5 (got {self.msssim_scales})")
-        if self.loss_chunk_rows < 0:
-            raise ConfigError(f"train.loss_chunk_rows must be >= 0, 0 = unchunked (got "
-                              f"{self.loss_chunk_rows})")
+        rows = self.loss_chunk_rows
+        if rows != "auto" and (isinstance(rows, (bool, str)) or rows < 0):
+            raise ConfigError(f"train.loss_chunk_rows must be \"auto\" or an integer >= 0 "
+                              f"(0 = unchunked), got {rows!r}")
         self.check_tuning()
         self.check_val_tiles()
         if self.val_precision not in VAL_PRECISIONS:

@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from memstudy.runtime import mark_boundary
 from memstudy.tiling.geometry import Path, Tile
 from memstudy.tiling.norm import Stats, memory_format_of, moments, normalize
 
@@ -287,6 +288,9 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
 def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
                shared: Sequence[Stats] = ()) -> tuple[torch.Tensor, list[Stats]]:
     """The region's output over the whole image, and the statistics every norm used."""
+    # the inputs are what the region's Functions save: kept boundaries, which transforms
+    # restricted to boundaries (offload / compress which=boundaries) must see
+    mark_boundary(*inputs)
     sweep = Sweep(region, tiles, autocast_state(inputs[0].device.type), torch.is_grad_enabled())
     params = region.params()
     stats: list[Stats | None] = list(shared) + [None] * (len(region.norms) - region.shared)
