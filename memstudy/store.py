@@ -219,7 +219,7 @@ class ResultsDB:
                 con.execute("PRAGMA journal_mode=WAL")
             finally:
                 con.close()
-            os.link(scratch, self.path)
+            _place(scratch, self.path)
         except FileExistsError:
             pass  # another process created it first: use theirs
         except (OSError, sqlite3.Error) as exc:
@@ -358,6 +358,19 @@ def merge_databases(target: str | Path, sources: list[str | Path]) -> list[tuple
             con.execute("ATTACH DATABASE ? AS src", (str(src),))
             counts.append((src, *_merge_attached(con)))
     return counts
+
+
+def _place(scratch: Path, path: Path) -> None:
+    """Put the finished scratch database at `path` unless a file is there already (a hard
+    link fails if it is; where the file system has no hard links, a rename after a check)."""
+    try:
+        os.link(scratch, path)
+    except FileExistsError:
+        raise
+    except OSError:
+        if path.exists():
+            raise FileExistsError(path) from None
+        os.replace(scratch, path)
 
 
 def _columns(con: sqlite3.Connection, schema: str, table: str) -> list[str]:
