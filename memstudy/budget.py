@@ -10,6 +10,12 @@ records as 'oom' in the phase it happened in. docs/budget.md says what this cann
 
 On the CPU the budget is enforced by the tensor meter (PhaseRecorder(cpu_limit_bytes=...)):
 live tensor bytes, parameters and optimizer state included, may not exceed it.
+
+A budget that cannot hold the run's fixed part is refused before anything is built, not run
+into an 'oom' that looks like a measurement: 0 (or less), one above the device's memory, one
+below the CUDA context plus the model's parameters (on the CPU: below the parameters). The
+parameters are counted on the plain U-Net; for plans that change or shard them (structural
+techniques, FSDP) only the context is checked, since their size is known only once built.
 """
 from __future__ import annotations
 
@@ -17,17 +23,30 @@ from typing import Any
 
 import torch
 
+from memstudy.bytesize import mb
+from memstudy.config import budget_size
 from memstudy.errors import ConfigError
-from memstudy.bytesize import mb, parse_bytes
 
 
 def budget_bytes(budget: str | int | None) -> int | None:
-    if budget is None:
-        return None
-    try:
-        return parse_bytes(budget, "budget")
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    return None if budget is None else budget_size(budget)
+
+
+def parameter_floor(plan) -> int:
+    """Bytes of the model's parameters as every run holds them (fp32, the plain U-Net), or 0
+    when a technique of the plan changes or shards the parameters (their size is then known
+    only once built). Counted on a model built under the meta device (what smp still makes
+    on the CPU is a few small tensors, freed at once)."""
+    from memstudy.models.unet import build_unet
+    from memstudy.techniques.base import Stage
+
+    reshaped = [n for n, t in plan.techniques.items() if n in plan.chosen and t.stage <= Stage.STRUCTURE
+                and t.stage != Stage.PROCESS]
+    if reshaped or plan.declaring("splits_model") or plan.declaring("contiguous_weights"):
+        return 0
+    with torch.device("meta"):
+        model = build_unet(None)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def nvml_used(index: int) -> int:
@@ -56,15 +75,21 @@ def cuda_context_bytes(device: torch.device) -> int:
     return nvml_used(index) - torch.cuda.memory_reserved(index)
 
 
-def apply_budget(budget: str | None, device: torch.device) -> dict[str, Any]:
+def apply_budget(budget: str | None, device: torch.device,
+                 parameter_bytes: int = 0) -> dict[str, Any]:
     """Apply the budget of one run on `device`; returns the facts to store with the run.
+    Refuses (ConfigError) a budget that cannot hold the CUDA context (CPU: nothing) plus
+    `parameter_bytes` (parameter_floor), or one above the device's memory.
 
     CUDA without a budget resets the cap, so an earlier capped run in the same process
-    (notebooks, tests) cannot constrain this one. The CPU needs nothing here: the runner
+    (notebooks, tests) cannot constrain this one. The CPU needs no cap here: the runner
     hands the budget to the tensor meter."""
     limit = budget_bytes(budget)
     if device.type != "cuda":
-        return {} if limit is None else {"budget_bytes": limit, "budget_enforced_by": "tensor meter"}
+        if limit is None:
+            return {}
+        check_floor(limit, 0, parameter_bytes, "the tensor meter counts them on the CPU")
+        return {"budget_bytes": limit, "budget_enforced_by": "tensor meter"}
     if device.index is not None:
         index = device.index
     else:  # asking torch for the current device would initialise CUDA before the measurement
@@ -73,8 +98,11 @@ def apply_budget(budget: str | None, device: torch.device) -> dict[str, Any]:
         if torch.cuda.is_initialized():
             torch.cuda.set_per_process_memory_fraction(1.0, index)
         return {}
+    props = torch.cuda.get_device_properties(index)  # no context needed: read before measuring
+    check_device_total(limit, props.total_memory, props.name)
     context = cuda_context_bytes(torch.device("cuda", index))
-    total = torch.cuda.get_device_properties(index).total_memory
+    check_floor(limit, context, parameter_bytes, "measured by NVML")
+    total = props.total_memory
     fraction = allocator_fraction(limit, context, total)
     torch.cuda.set_per_process_memory_fraction(fraction, index)
     return {"budget_bytes": limit, "budget_enforced_by": "allocator cap",
@@ -104,6 +132,24 @@ def recap_after_warmup(budget: str | None, device: torch.device) -> dict[str, An
     torch.cuda.set_per_process_memory_fraction(fraction, index)
     return {"cuda_context_after_warmup_bytes": context,
             "allocator_cap_after_warmup_bytes": int(fraction * total)}
+
+
+def check_device_total(limit: int, total: int, name: str) -> None:
+    if limit > total:
+        raise ConfigError(f"budget {mb(limit):.0f} MB exceeds the {mb(total):.0f} MB of the "
+                          f"{name}; lower --budget to at most {mb(total):.0f}MiB or drop it")
+
+
+def check_floor(limit: int, context: int, parameter_bytes: int, how: str) -> None:
+    """Refuse a budget that cannot hold the CUDA context plus the model's parameters."""
+    floor = context + parameter_bytes
+    if limit > floor:
+        return
+    parts = ([f"the CUDA context ({mb(context):.0f} MB, {how})"] if context else []) + (
+        [f"the model's parameters ({mb(parameter_bytes):.0f} MB)"] if parameter_bytes else [])
+    held = " plus ".join(parts) or "anything"
+    raise ConfigError(f"budget {mb(limit):.0f} MB cannot hold {held}, before any activation; "
+                      f"raise --budget above {mb(floor):.0f}MiB")
 
 
 def allocator_fraction(limit: int, context: int, total: int) -> float:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import os
+import sqlite3
 import sys
+from pathlib import Path
 
 from memstudy.config import RunConfig, load_toml, set_value, split_techniques
 from memstudy.errors import ConfigError, MemstudyError
@@ -125,8 +127,10 @@ def cmd_grid(args: argparse.Namespace) -> int:
     import signal
 
     from memstudy.grid import cell_table, expand, load_spec, plan_outcomes, run_grid
+    from memstudy.grid.claims import parse_retry
     from memstudy.grid.run import check_gpu_needs
 
+    retry = parse_retry(args.retry)
     spec = load_spec(args.spec)
     if args.budget is not None:
         spec.budget = args.budget
@@ -136,18 +140,41 @@ def cmd_grid(args: argparse.Namespace) -> int:
     if args.dry_run:
         cells = expand(spec)
         check_gpu_needs(cells, gpus)
-        print(cell_table(cells, plan_outcomes(cells, ResultsDB(args.db).recorded_hashes())))
+        print(cell_table(cells, plan_outcomes(cells, ResultsDB(args.db), retry)))
         return 0
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cells as Ctrl-C does
     try:
-        result = run_grid(spec, args.db, gpus, progress=None if args.quiet else eprint)
+        result = run_grid(spec, args.db, gpus, progress=None if args.quiet else eprint,
+                          retry=retry)
     except KeyboardInterrupt:
         eprint("interrupted: recorded cells are kept; the cells that were running left no "
-               "record and a rerun runs them")
+               "record and the same command runs them")
         return 130
     print(cell_table(result.cells, result.outcomes))
     print(f"stored in {args.db}")
+    for line in rerun_advice(result.outcomes, args):
+        eprint(line)
     return 1 if result.unrecorded else 0
+
+
+def rerun_advice(outcomes: dict[int, str], args: argparse.Namespace) -> list[str]:
+    """For cells that ended badly: the command that runs them again (a plain rerun skips them)."""
+    from memstudy.grid.claims import RETRY_KINDS
+
+    kinds = {"timeout" if o == "error in timeout" else o.split()[0] for o in outcomes.values()}
+    failed = [k for k in RETRY_KINDS if k in kinds]
+    if not failed:
+        return []
+    again = f"memstudy --db {args.db} grid {args.spec} --retry {','.join(failed)}"
+    longer = " --timeout SECONDS (longer than the spec's timeout_s)" if "timeout" in failed else ""
+    return [f"cells ended in {', '.join(failed)} (their logs: {_cells_folder(args.db)}); a "
+            f"plain rerun skips them; to run them again: {again}{longer}"]
+
+
+def _cells_folder(db: str) -> str:
+    from memstudy.grid import cells_folder
+
+    return str(cells_folder(db))
 
 
 def cmd_maxres(args: argparse.Namespace) -> int:
@@ -172,8 +199,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     text = build_report(args.report_db or args.db, args.format, budget=args.budget,
                         cost_weights=weights)
     if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+        write_output(args.out, text)
         eprint(f"wrote {args.out}")
     else:
         print(text)
@@ -194,6 +220,9 @@ def add_study_parsers(sub) -> None:
                       "(default: all visible GPUs for GPU cells)")
     grid.add_argument("--budget", help="memory budget for every cell, e.g. 8GiB")
     grid.add_argument("--timeout", type=float, help="per-cell timeout in seconds")
+    grid.add_argument("--retry", metavar="KINDS", help="run again the recorded cells whose last "
+                      "attempt is one of these comma-separated kinds: error, oom, diverged, "
+                      "timeout (earlier attempts stay in the database)")
     grid.add_argument("--dry-run", action="store_true", help="list the cells; run nothing")
     grid.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     grid.set_defaults(func=cmd_grid)
@@ -222,13 +251,32 @@ def add_study_parsers(sub) -> None:
     report.set_defaults(func=cmd_report)
 
 
+def write_output(path: str, text: str) -> None:
+    """Write `text` to `path`; a missing folder or an unwritable file is one error naming it."""
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise ConfigError(f"--out {path}: folder {folder} does not exist; create it "
+                          f"(mkdir -p {folder}) or write elsewhere")
+    try:
+        with open(path, "w") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise ConfigError(f"--out {path}: cannot write ({exc.strerror}); choose a writable "
+                          "file") from None
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
     from memstudy.store import merge_databases
 
     missing = [src for src in args.sources if not Path(src).is_file()]
     if missing:
         raise ConfigError(f"no such database: {', '.join(missing)}")
-    print(f"copied {merge_databases(args.db, args.sources)} runs into {args.db}")
+    for src, copied, known in merge_databases(args.db, args.sources):
+        if copied == 0:
+            print(f"{src}: nothing copied; all {known} of its runs are in {args.db} already")
+        else:
+            print(f"{src}: copied {copied} runs into {args.db}"
+                  + (f" ({known} already there, not copied again)" if known else ""))
     return 0
 
 
@@ -293,12 +341,33 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except MemstudyError as exc:
-        print(f"memstudy: error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # data errors (ImageError) and byte sizes
-        print(f"memstudy: error: {exc}", file=sys.stderr)
-        return 2
+    except (MemstudyError, ValueError) as exc:  # ValueError: data errors (ImageError), sizes
+        return fail(str(exc))
+    except BrokenPipeError:  # `memstudy report db | head`: the reader left early
+        _silence_stdout()
+        return fail("the output pipe was closed before everything was written (e.g. by head); "
+                    "nothing else was affected; use --out FILE for the whole output")
+    except sqlite3.Error as exc:  # one not translated by the store: still one line
+        return fail(f"results database {args.db}: {exc}")
+    except OSError as exc:
+        where = f" {exc.filename}" if exc.filename else ""
+        return fail(f"{exc.strerror or exc}{where}; check the path and its permissions")
+
+
+def fail(message: str) -> int:
+    try:
+        print(f"memstudy: error: {message}", file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    return 2
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 
 from memstudy import cuda_allocator
 from memstudy import env as envinfo
-from memstudy.budget import apply_budget, budget_bytes, recap_after_warmup
+from memstudy.budget import apply_budget, budget_bytes, parameter_floor, recap_after_warmup
 from memstudy.config import RunConfig
 from memstudy.datasets import build_datasets, describe_datasets
 from memstudy.distributed.context import rank_device
@@ -68,7 +68,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
     check_measurable(config, len(train_set))  # raises ConfigError: nothing recorded
     device = plan.device
     # before anything touches the GPU: the CUDA context is measured as it is created
-    budget_facts = apply_budget(config.budget, device)
+    budget_facts = apply_budget(config.budget, device, parameter_floor(plan) if config.budget else 0)
     record = RunRecord(config=config.to_dict(), config_hash=config.hash(), name=name, status="ok",
                        env=envinfo.describe(device), started_at=time.time(), label=config.label)
     record.env["seed"] = config.train.seed

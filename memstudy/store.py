@@ -5,6 +5,13 @@ A run is written whole or not at all (`record` is a single transaction), so a cr
 kill never leaves a half-written run, and runs written by earlier processes are never
 touched. WAL mode and a busy timeout let grid cells in separate processes write at once.
 Default path: ./results/memstudy.sqlite, or $MEMSTUDY_DB. Torch-free.
+
+Only a missing path is created (in a scratch file linked into place, so a concurrent opener
+never sees a half-made database); an existing file must already be a memstudy database: an
+empty file, random bytes or another program's SQLite file is refused, never rewritten.
+Every SQLite failure (not a database, locked, read-only) becomes one `DatabaseError` naming
+the file and what to do. Each run carries a random `run_uid`, so `merge_databases` copies a
+run once however often it is merged (older runs without one: by config hash and start time).
 """
 from __future__ import annotations
 
@@ -12,9 +19,13 @@ import json
 import os
 import sqlite3
 import time
+import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+
+from memstudy.errors import MemstudyError
 
 DEFAULT_DB = "results/memstudy.sqlite"
 STATUSES = ("ok", "oom", "error", "diverged")
@@ -40,9 +51,17 @@ CREATE TABLE IF NOT EXISTS runs (
     started_at REAL NOT NULL,
     finished_at REAL NOT NULL,
     config_json TEXT NOT NULL,
-    env_json TEXT NOT NULL
+    env_json TEXT NOT NULL,
+    run_uid TEXT                  -- random id of the run, kept by merges (NULL: older runs)
 );
 CREATE INDEX IF NOT EXISTS runs_hash ON runs (config_hash);
+CREATE TABLE IF NOT EXISTS claims (  -- grid cells being run now (memstudy.grid.claims)
+    config_hash TEXT PRIMARY KEY,
+    host TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    claimed_at REAL NOT NULL,
+    heartbeat REAL NOT NULL       -- refreshed by the runner while the cell runs
+);
 CREATE TABLE IF NOT EXISTS metrics (
     run_id INTEGER NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
     rank INTEGER NOT NULL,
@@ -112,58 +131,178 @@ class RunRecord:
     label: str | None = None
     failed_phase: str | None = None
     error: str | None = None
+    run_uid: str = field(default_factory=lambda: uuid.uuid4().hex)
     metrics: list[tuple[int, str, str, float]] = field(default_factory=list)  # rank, phase, name, value
     epochs: list[dict[str, Any]] = field(default_factory=list)  # rank, epoch, steps, losses, time_s
     series: list[tuple[int, int, str, float]] = field(default_factory=list)  # rank, step, name, value
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+BUSY_TIMEOUT_S = 60
+
+
+class DatabaseError(MemstudyError):
+    """A results database that cannot be used; the message names the file and what to do."""
 
 
 def default_db_path() -> str:
     return os.environ.get("MEMSTUDY_DB", DEFAULT_DB)
 
 
+def check_database_file(path: Path) -> None:
+    """Refuse an existing file that is not a memstudy database, before SQLite touches it."""
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise DatabaseError(f"{path} is not a file; pass a results database (--db) or a new path")
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(SQLITE_HEADER))
+    except OSError as exc:
+        raise DatabaseError(f"cannot read {path} ({exc.strerror}); check its permissions") from None
+    if not head:
+        raise DatabaseError(f"{path} is an empty file, not a memstudy results database; "
+                            "remove it or pass another --db (a new path is created)")
+    if head != SQLITE_HEADER:
+        raise DatabaseError(f"{path} is not an SQLite database (it starts with {head[:8]!r}); "
+                            "pass a memstudy results database or a new path (--db)")
+
+
+def explain(path: Path, exc: sqlite3.Error) -> DatabaseError:
+    """One line for an SQLite failure on `path`: what happened and what to do."""
+    text = str(exc)
+    if "locked" in text or "busy" in text:
+        why = (f"is locked by another process (waited {BUSY_TIMEOUT_S} s); wait for it to "
+               "finish or pass another --db")
+    elif "readonly" in text or "read-only" in text:
+        why = "is read-only; make it and its folder writable or pass another --db"
+    elif "not a database" in text or "malformed" in text:
+        why = "is not a memstudy results database (or is damaged); pass another --db"
+    elif "unable to open" in text:
+        why = "cannot be opened; check that its folder exists and is writable"
+    else:
+        why = f"failed: {text}"
+    return DatabaseError(f"{path} {why} (SQLite: {text})")
+
+
 class ResultsDB:
-    def __init__(self, path: str | Path | None = None):
+    """A results database. `create=False` opens an existing one to read it: nothing is added
+    to it (not even the tables of a newer memstudy)."""
+
+    def __init__(self, path: str | Path | None = None, create: bool = True):
         self.path = Path(path or default_db_path())
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as con:
-            con.executescript(SCHEMA)
+        check_database_file(self.path)
+        if not self.path.exists():
+            if not create:
+                raise DatabaseError(f"results database {self.path} not found; run a grid first "
+                                    "or pass --db / set MEMSTUDY_DB")
+            self._create()
+        self._check_memstudy()
+        if create:
+            with self.transaction() as con:
+                _migrate(con)
+
+    def _create(self) -> None:
+        """Build the schema in a scratch file and link it into place: a runner starting at the
+        same moment finds either no file or a whole database, never an empty one."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DatabaseError(f"cannot create the folder of {self.path} ({exc.strerror}); "
+                                "pass a --db in a writable folder") from None
+        scratch = self.path.with_name(f".{self.path.name}.{os.getpid()}.new")
+        try:
+            con = sqlite3.connect(scratch)
+            try:
+                con.executescript(SCHEMA)
+                _add_run_uid(con)
+                con.execute("PRAGMA journal_mode=WAL")
+            finally:
+                con.close()
+            _place(scratch, self.path)
+        except FileExistsError:
+            pass  # another process created it first: use theirs
+        except (OSError, sqlite3.Error) as exc:
+            raise DatabaseError(f"cannot create {self.path} ({exc}); pass a --db in a writable "
+                                "folder") from None
+        finally:
+            scratch.unlink(missing_ok=True)
+
+    def _check_memstudy(self) -> None:
+        """Refuse another program's SQLite file, looking only (read-only, before any pragma
+        of ours could change its header)."""
+        try:
+            con = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True,
+                                  timeout=BUSY_TIMEOUT_S)
+            try:
+                tables = {r[0] for r in con.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'")}
+            finally:
+                con.close()
+        except sqlite3.Error as exc:
+            raise explain(self.path, exc) from None
+        if "runs" not in tables:
+            raise DatabaseError(f"{self.path} is an SQLite database of another program (tables: "
+                                f"{', '.join(sorted(tables)) or 'none'}), not memstudy results; "
+                                "pass another --db")
 
     def _connect(self) -> sqlite3.Connection:
-        con = sqlite3.connect(self.path, timeout=60)
-        con.execute("PRAGMA journal_mode=WAL")
-        con.execute("PRAGMA foreign_keys=ON")
+        con = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S)
+        try:
+            con.execute("PRAGMA journal_mode=WAL")
+            con.execute("PRAGMA foreign_keys=ON")
+        except sqlite3.Error:
+            con.close()
+            raise
         con.row_factory = sqlite3.Row
         return con
+
+    @contextmanager
+    def transaction(self, immediate: bool = False) -> Iterator[sqlite3.Connection]:
+        """A connection in one transaction (committed on success, rolled back on an error);
+        `immediate` takes the write lock at once, for read-then-write decisions such as a
+        grid cell's claim. SQLite failures come out as one DatabaseError."""
+        try:
+            con = self._connect()
+        except sqlite3.Error as exc:
+            raise explain(self.path, exc) from None
+        try:
+            if immediate:
+                con.execute("BEGIN IMMEDIATE")
+            with con:
+                yield con
+        except sqlite3.IntegrityError:
+            raise  # a broken record (memstudy's bug), not the file's fault
+        except sqlite3.Error as exc:
+            raise explain(self.path, exc) from None
+        finally:
+            con.close()
 
     def record(self, rec: RunRecord) -> int:
         if rec.status not in STATUSES:
             raise ValueError(f"status {rec.status!r} is not one of {STATUSES}")
         train = rec.config["train"]
-        con = self._connect()
-        try:
-            with con:  # one transaction: the whole run or nothing
-                cur = con.execute(
-                    "INSERT INTO runs (config_hash, name, label, status, failed_phase, error, "
-                    "image_size, batch_size, world_size, device, gpu_name, started_at, finished_at, "
-                    "config_json, env_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (rec.config_hash, rec.name, rec.label, rec.status, rec.failed_phase, rec.error,
-                     train["image_size"], train["batch_size"], rec.config.get("world_size", 1),
-                     str(rec.env.get("device")), rec.env.get("gpu_name"), rec.started_at,
-                     rec.finished_at, json.dumps(rec.config, sort_keys=True),
-                     json.dumps(rec.env, sort_keys=True, default=str)))
-                run_id = int(cur.lastrowid)
-                con.executemany("INSERT INTO metrics VALUES (?,?,?,?,?)",
-                                [(run_id, r, p, n, _num(v)) for r, p, n, v in rec.metrics])
-                con.executemany(
-                    "INSERT INTO epochs VALUES (?,?,?,?,?,?,?,?,?)",
-                    [(run_id, e.get("rank", 0), e["epoch"], e["steps"], e.get("train_loss"),
-                      e.get("val_loss"), e.get("val_ssim"), e.get("val_psnr"), e["time_s"])
-                     for e in rec.epochs])
-                con.executemany("INSERT INTO series VALUES (?,?,?,?,?)",
-                                [(run_id, r, s, n, _num(v)) for r, s, n, v in rec.series])
-            return run_id
-        finally:
-            con.close()
+        with self.transaction() as con:  # one transaction: the whole run or nothing
+            cur = con.execute(
+                "INSERT INTO runs (config_hash, name, label, status, failed_phase, error, "
+                "image_size, batch_size, world_size, device, gpu_name, started_at, finished_at, "
+                "config_json, env_json, run_uid) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (rec.config_hash, rec.name, rec.label, rec.status, rec.failed_phase, rec.error,
+                 train["image_size"], train["batch_size"], rec.config.get("world_size", 1),
+                 str(rec.env.get("device")), rec.env.get("gpu_name"), rec.started_at,
+                 rec.finished_at, json.dumps(rec.config, sort_keys=True),
+                 json.dumps(rec.env, sort_keys=True, default=str), rec.run_uid))
+            run_id = int(cur.lastrowid)
+            con.executemany("INSERT INTO metrics VALUES (?,?,?,?,?)",
+                            [(run_id, r, p, n, _num(v)) for r, p, n, v in rec.metrics])
+            con.executemany(
+                "INSERT INTO epochs VALUES (?,?,?,?,?,?,?,?,?)",
+                [(run_id, e.get("rank", 0), e["epoch"], e["steps"], e.get("train_loss"),
+                  e.get("val_loss"), e.get("val_ssim"), e.get("val_psnr"), e["time_s"])
+                 for e in rec.epochs])
+            con.executemany("INSERT INTO series VALUES (?,?,?,?,?)",
+                            [(run_id, r, s, n, _num(v)) for r, s, n, v in rec.series])
+        return run_id
 
     def replace_maxres(self, row: dict[str, Any]) -> None:
         """Store one maxres result (MAXRES_COLUMNS), replacing the earlier one of the same
@@ -171,22 +310,15 @@ class ResultsDB:
         missing = set(MAXRES_COLUMNS) - set(row)
         if missing:
             raise ValueError(f"maxres row lacks {sorted(missing)}")
-        con = self._connect()
-        try:
-            with con:
-                con.execute("DELETE FROM maxres WHERE config_key = ?", (row["config_key"],))
-                con.execute(f"INSERT INTO maxres ({', '.join(MAXRES_COLUMNS)}) VALUES "
-                            f"({', '.join('?' * len(MAXRES_COLUMNS))})",
-                            [row[c] for c in MAXRES_COLUMNS])
-        finally:
-            con.close()
+        with self.transaction() as con:
+            con.execute("DELETE FROM maxres WHERE config_key = ?", (row["config_key"],))
+            con.execute(f"INSERT INTO maxres ({', '.join(MAXRES_COLUMNS)}) VALUES "
+                        f"({', '.join('?' * len(MAXRES_COLUMNS))})",
+                        [row[c] for c in MAXRES_COLUMNS])
 
     def query(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
-        con = self._connect()
-        try:
+        with self.transaction() as con:
             return [dict(row) for row in con.execute(sql, params)]
-        finally:
-            con.close()
 
     def runs(self, status: str | None = None) -> list[dict[str, Any]]:
         where, params = ("WHERE status = ?", (status,)) if status else ("", ())
@@ -209,41 +341,92 @@ class ResultsDB:
                               "ORDER BY rank, step", (run_id, name_like))
 
 
-def merge_databases(target: str | Path, sources: list[str | Path]) -> int:
+def merge_databases(target: str | Path, sources: list[str | Path]) -> list[tuple[Path, int, int]]:
     """Copy every run (with its metrics, epochs, series) of `sources` into `target`, renumbered,
-    in one transaction per source; other tables (e.g. maxres) are copied row by row. Returns
-    the number of runs copied. Used to gather benchmark databases into one for the notebooks."""
+    in one transaction per source; other tables (e.g. maxres) row by row. A run already in
+    `target` (same run_uid, or same config hash and start time for runs recorded before run
+    ids) is not copied again, so merging twice adds nothing. Returns (source, copied, already
+    there) per source. Used to gather benchmark databases into one for the notebooks."""
     db = ResultsDB(target)
-    copied = 0
-    for src in sources:
-        con = db._connect()
-        try:
+    counts = []
+    for src in map(Path, sources):
+        ResultsDB(src, create=False)  # refuses anything but a memstudy database, by name
+        if src.resolve() == db.path.resolve() or (db.path.exists() and src.samefile(db.path)):
+            raise DatabaseError(f"{src} is the target database itself; nothing to merge "
+                                "(pass another database to copy from)")
+        with db.transaction() as con:
             con.execute("ATTACH DATABASE ? AS src", (str(src),))
-            with con:
-                copied += _merge_attached(con)
-        finally:
-            con.close()
-    return copied
+            counts.append((src, *_merge_attached(con)))
+    return counts
 
 
-def _merge_attached(con: sqlite3.Connection) -> int:
-    cols = [r[1] for r in con.execute("PRAGMA src.table_info(runs)") if r[1] != "id"]
-    ids = [r[0] for r in con.execute("SELECT id FROM src.runs ORDER BY id")]
-    for old in ids:
+def _place(scratch: Path, path: Path) -> None:
+    """Put the finished scratch database at `path` unless a file is there already (a hard
+    link fails if it is; where the file system has no hard links, a rename after a check)."""
+    try:
+        os.link(scratch, path)
+    except FileExistsError:
+        raise
+    except OSError:
+        if path.exists():
+            raise FileExistsError(path) from None
+        os.replace(scratch, path)
+
+
+def _columns(con: sqlite3.Connection, schema: str, table: str) -> list[str]:
+    return [r[1] for r in con.execute(f"PRAGMA {schema}.table_info({table})")]
+
+
+def _migrate(con: sqlite3.Connection) -> None:
+    """Add what this memstudy records to a database of an older one (nothing if present)."""
+    if "run_uid" in _columns(con, "main", "runs") and con.execute(
+            "SELECT 1 FROM sqlite_master WHERE name = 'claims'").fetchone():
+        return
+    try:
+        con.executescript(SCHEMA)
+        _add_run_uid(con)
+    except sqlite3.OperationalError as exc:
+        if "readonly" not in str(exc):
+            raise
+        # a read-only older database still reads; writing to it names the problem then
+
+
+def _add_run_uid(con: sqlite3.Connection) -> None:
+    if "run_uid" not in _columns(con, "main", "runs"):
+        con.execute("ALTER TABLE runs ADD COLUMN run_uid TEXT")
+    con.execute("CREATE UNIQUE INDEX IF NOT EXISTS runs_uid ON runs (run_uid)")
+
+
+def _merge_attached(con: sqlite3.Connection) -> tuple[int, int]:
+    """Copy the attached `src` database's runs that `main` lacks; returns (copied, skipped)."""
+    main_cols = set(_columns(con, "main", "runs"))
+    cols = [c for c in _columns(con, "src", "runs") if c != "id" and c in main_cols]
+    uid = "run_uid" if "run_uid" in cols else "NULL"
+    copied = skipped = 0
+    for old, run_uid, key, started in con.execute(
+            f"SELECT id, {uid}, config_hash, started_at FROM src.runs ORDER BY id").fetchall():
+        if con.execute("SELECT 1 FROM main.runs WHERE run_uid = ? OR (config_hash = ? AND "
+                       "started_at = ?)", (run_uid, key, started)).fetchone():
+            skipped += 1
+            continue
         new = con.execute(f"INSERT INTO runs ({', '.join(cols)}) SELECT {', '.join(cols)} "
                           "FROM src.runs WHERE id = ?", (old,)).lastrowid
         for table in ("metrics", "epochs", "series"):
-            rest = [r[1] for r in con.execute(f"PRAGMA src.table_info({table})") if r[1] != "run_id"]
+            rest = [c for c in _columns(con, "src", table) if c != "run_id"]
             con.execute(f"INSERT INTO {table} (run_id, {', '.join(rest)}) SELECT ?, "
                         f"{', '.join(rest)} FROM src.{table} WHERE run_id = ?", (new, old))
-    known = {"runs", "metrics", "epochs", "series", "sqlite_sequence"}
-    for (table, sql) in con.execute("SELECT name, sql FROM src.sqlite_master WHERE type = 'table'"):
+        copied += 1
+    known = {"runs", "metrics", "epochs", "series", "claims", "sqlite_sequence"}
+    for (table, sql) in con.execute("SELECT name, sql FROM src.sqlite_master WHERE type = 'table'"
+                                    ).fetchall():
         if table in known:
             continue
         con.execute(sql.replace("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1))
-        rest = [r[1] for r in con.execute(f"PRAGMA src.table_info({table})") if r[1] != "id"]
-        con.execute(f"INSERT INTO {table} ({', '.join(rest)}) SELECT {', '.join(rest)} FROM src.{table}")
-    return len(ids)
+        rest = [c for c in _columns(con, "src", table) if c != "id"]
+        listed = ", ".join(rest)  # rows the target holds already are not copied twice
+        con.execute(f"INSERT INTO {table} ({listed}) SELECT {listed} FROM src.{table} "
+                    f"EXCEPT SELECT {listed} FROM main.{table}")
+    return copied, skipped
 
 
 def _num(value: Any) -> float | None:

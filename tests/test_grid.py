@@ -91,8 +91,12 @@ def test_timeout_is_recorded_and_not_rerun(tmp_path):
     assert result.outcomes == {1: "error in timeout"}
     (run,) = ResultsDB(db).runs()
     assert (run["status"], run["failed_phase"]) == ("error", "timeout")
+    assert "--retry timeout --timeout" in run["error"]  # the advice names a command that works
     assert run_grid(spec, db).outcomes == {1: "recorded earlier (skipped)"}
     assert len(ResultsDB(db).runs()) == 1
+    spec.timeout_s = None  # as `--retry timeout --timeout` with time enough
+    assert run_grid(spec, db, retry=frozenset({"timeout"})).outcomes == {1: "ok"}
+    assert [r["status"] for r in ResultsDB(db).runs()] == ["error", "ok"]  # both attempts kept
 
 
 def _children(pid: int, running: str) -> list[int]:
@@ -148,10 +152,13 @@ def test_resume_after_killing_a_cell_and_the_runner(tmp_path):
     assert runner.returncode == 1, runner.stdout.read()
     assert "killed by signal 9" in runner.stdout.read()
     assert [r["image_size"] for r in ResultsDB(db).runs()] == [192]
-    # 2. a rerun skips cell 1; SIGKILL the runner while cell 2 runs: the cell dies with it
+    assert ResultsDB(db).query("SELECT * FROM claims") == []  # the runner released it
+    # 2. a rerun skips cell 1; SIGKILL the runner while cell 2 runs: the cell dies with it,
+    # and its claim stays behind, held by a runner that no longer exists
     start_and_kill(kill_runner=True)
     assert [r["image_size"] for r in ResultsDB(db).runs()] == [192]
-    # 3. a rerun runs cell 2 only; no duplicate rows
+    assert [c["config_hash"] for c in ResultsDB(db).query("SELECT * FROM claims")] == [cell2]
+    # 3. a rerun takes the dead runner's claim over and runs cell 2 only; no duplicate rows
     result = run_grid(load_spec(spec_path), db)
     assert result.outcomes == {1: "recorded earlier (skipped)", 2: "ok"}
     runs = ResultsDB(db).runs()
@@ -223,11 +230,14 @@ def test_scheduler_never_overlaps_gpus(monkeypatch, tmp_path):
 
     from conftest import small_config
 
-    cells = [Cell(index=i + 1, config=small_config(seed=i), gpus=n) for i, n in enumerate([1, 2, 1])]
+    from memstudy.grid.claims import Runner
+
+    cells = [Cell(index=i + 1, config=small_config(seed=i), hash=f"h{i}", gpus=n)
+             for i, n in enumerate([1, 2, 1])]
     monkeypatch.setattr(grid_run, "CellProcess", FakeChild)
     result = GridResult(cells)
-    grid_run._Scheduler(result, cells, GpuSlots(["3", "5"]), tmp_path / "r.sqlite", None,
-                        lambda _m: None, 0.0).run()
+    grid_run._Scheduler(result, cells, GpuSlots(["3", "5"]), ResultsDB(tmp_path / "r.sqlite"),
+                        None, lambda _m: None, 0.0, Runner.this_process()).run()
     assert result.outcomes == {1: "ok", 2: "ok", 3: "ok"}
     assert log == [(0, "3"), (1, "3,5"), (2, "3")]  # in order; the wide cell waited for both
 

@@ -22,7 +22,8 @@ def record(db: ResultsDB, name: str, size: int, fwd: float, bwd: float, step: fl
                             ("time_s", 0.1))]
     metrics.append((0, "run", "step_time_s", 0.5))
     db.record(RunRecord(config={"train": {"image_size": size, "batch_size": 1, "seed": seed},
-                                "techniques": [], "world_size": 1},
+                                "techniques": [] if name == "original" else name.split("+"),
+                                "world_size": 1},
                         config_hash=f"{name}{size}{seed}{status}", name=name, status=status,
                         env={"device": "cpu"}, started_at=0.0, failed_phase=phase,
                         metrics=metrics if status == "ok" else [],

@@ -152,6 +152,16 @@ def load_image(path: str | Path, notes: list[str] | None = None) -> np.ndarray:
     `notes`, so that a run can record what was done to its data."""
     notes = [] if notes is None else notes
     path = Path(path)
+    try:
+        return _load_checked(path, notes)
+    except ImageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any reader failure (pydicom raises ValueError for
+        # an invalid value representation, OSError, ...) is this file's problem, named as such
+        raise ImageError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from exc
+
+
+def _load_checked(path: Path, notes: list[str]) -> np.ndarray:
     if not path.is_file():
         raise ImageError(f"{path}: file not found")
     if path.stat().st_size == 0:

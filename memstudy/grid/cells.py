@@ -3,7 +3,8 @@
 The child gets its own process group (a timeout kills it and anything it started) and dies
 with its parent (PR_SET_PDEATHSIG), so killing the runner leaves no orphan that could record
 a run behind a rerun's back. A killed child leaves nothing: the store writes a run in one
-transaction.
+transaction. The cell's log is appended to, each attempt under a header naming its runner, so
+a retry or another runner never overwrites an earlier attempt's log.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -86,13 +88,17 @@ class CellProcess:
         toml = write_cell_config(config, folder)
         self.hash = config_hash(config)
         self.log_path = folder / f"{self.hash}.log"
+        self.before = _last_run_id(ResultsDB(db_path), self.hash)  # earlier attempts' runs
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         # progress lines go to the cell's log: `tail -f` it to follow a long cell
         cmd = [sys.executable, "-m", "memstudy", "--db", self.db_path, "run", "--config", str(toml)]
         parent = os.getpid()
-        with open(self.log_path, "w") as log:
+        with open(self.log_path, "a") as log:
+            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} attempt by the runner "
+                      f"{socket.gethostname()} pid {parent}: {' '.join(cmd)}\n")
+            log.flush()
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True,
                                          preexec_fn=lambda: _child_setup(parent))
@@ -112,8 +118,8 @@ class CellProcess:
     def finish(self, timed_out: bool = False) -> str:
         """The cell's outcome: its recorded status, 'timeout' (recorded here), or killed/crashed."""
         db = ResultsDB(self.db_path)
-        rows = db.query("SELECT status, failed_phase FROM runs WHERE config_hash = ? "
-                        "ORDER BY id DESC LIMIT 1", (self.hash,))
+        rows = db.query("SELECT status, failed_phase FROM runs WHERE config_hash = ? AND id > ? "
+                        "ORDER BY id DESC LIMIT 1", (self.hash, self.before))
         if rows:
             r = rows[0]
             return r["status"] + (f" in {r['failed_phase']}" if r["failed_phase"] else "")
@@ -133,7 +139,13 @@ def record_timeout(db: ResultsDB, config: RunConfig, key: str, started: float,
                         status="error", env=info, started_at=started, label=config.label,
                         failed_phase="timeout",
                         error=f"cell exceeded its timeout of {time.time() - started:.0f} s and "
-                              "was killed; raise timeout_s in the grid spec (--timeout)"))
+                              "was killed; run it again with a longer timeout: memstudy grid "
+                              "SPEC --retry timeout --timeout SECONDS"))
+
+
+def _last_run_id(db: ResultsDB, key: str) -> int:
+    rows = db.query("SELECT MAX(id) AS id FROM runs WHERE config_hash = ?", (key,))
+    return rows[0]["id"] or 0
 
 
 def run_isolated(config: RunConfig, db_path: str | Path, timeout_s: float | None = None,

@@ -1,4 +1,6 @@
-"""Running a grid: every valid, unrecorded cell in its own process, on its own GPUs."""
+"""Running a grid: every valid, unrecorded cell in its own process, on its own GPUs, each cell
+claimed in the database first (memstudy.grid.claims), so runners sharing a database split the
+cells between them instead of running each twice."""
 from __future__ import annotations
 
 import os
@@ -7,9 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from memstudy.grid import claims
 from memstudy.grid.cells import CRASHED, KILLED, CellProcess
+from memstudy.grid.claims import Holder, Runner
+from memstudy.grid.history import older_records
 from memstudy.grid.spec import Cell, GridSpec, expand
 from memstudy.store import ResultsDB
+
+ELSEWHERE = "not run here"  # outcome of a cell another runner has claimed
 
 @dataclass
 class GridResult:
@@ -33,24 +40,31 @@ def visible_gpus() -> list[str]:
 
 
 def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
-             progress: Callable[[str], None] | None = None, poll_s: float = 0.2) -> GridResult:
-    """Run every valid, unrecorded cell; each GPU cell on its own disjoint set of GPUs (as many
-    as it needs: `gpus_needed`), CPU cells one at a time."""
+             progress: Callable[[str], None] | None = None, poll_s: float = 0.2,
+             retry: frozenset[str] = frozenset()) -> GridResult:
+    """Run every valid, unrecorded cell (and those whose last attempt is of a kind in `retry`,
+    e.g. {'error', 'timeout'}: a new attempt, the earlier one kept); each GPU cell on its own
+    disjoint set of GPUs (as many as it needs: `gpus_needed`), CPU cells one at a time."""
     progress = progress or (lambda _msg: None)
+    runner = Runner.this_process()
     cells = expand(spec)
     result = GridResult(cells)
-    recorded = ResultsDB(db_path).recorded_hashes()
+    db = ResultsDB(db_path)
+    attempts = claims.latest_attempts(db)
     pool = check_gpu_needs(cells, gpus)
     todo = []
     for cell in cells:
         if cell.error:
             result.outcomes[cell.index] = f"invalid: {cell.error}"
             progress(f"[{cell.index}/{len(cells)}] invalid, not run: {cell.describe()}: {cell.error}")
-        elif cell.hash in recorded:
+        elif not claims.wants_rerun(attempts.get(cell.hash), retry, runner):
             result.outcomes[cell.index] = "recorded earlier (skipped)"
         else:
             todo.append(cell)
-    _Scheduler(result, todo, GpuSlots(pool), db_path, spec.timeout_s, progress, poll_s).run()
+    for index, why in older_records(todo, db).items():
+        progress(f"[{index}/{len(cells)}] {why}")
+    _Scheduler(result, todo, GpuSlots(pool), db, spec.timeout_s, progress, poll_s,
+               runner, retry).run()
     return result
 
 
@@ -110,24 +124,34 @@ class GpuSlots:
 
 
 class _Scheduler:
-    def __init__(self, result, todo, slots: GpuSlots, db_path, timeout_s, progress, poll_s):
+    def __init__(self, result, todo, slots: GpuSlots, db: ResultsDB, timeout_s, progress, poll_s,
+                 runner: Runner, retry: frozenset[str] = frozenset()):
         self.result, self.todo, self.slots = result, list(todo), slots
-        self.db_path, self.timeout_s, self.progress, self.poll_s = db_path, timeout_s, progress, poll_s
+        self.db, self.timeout_s, self.progress, self.poll_s = db, timeout_s, progress, poll_s
+        self.runner, self.retry = runner, retry
         self.running: list[tuple[Cell, CellProcess, list[str]]] = []
         self.durations: list[float] = []
         self.t0, self.total = time.time(), len(result.cells)
+        self.beat = time.time()
 
     def run(self) -> None:
         try:
             while self.todo or self.running:
                 self._start_ready()
                 self._reap()
+                self._heartbeat()
                 time.sleep(self.poll_s)
         except BaseException:  # Ctrl-C, SIGTERM: kill the cells; they leave no record
             for cell, child, _ids in self.running:
                 child.kill()
                 self.result.outcomes[cell.index] = f"{KILLED} (runner interrupted)"
+            claims.release(self.db, [cell.hash for cell, _c, _i in self.running], self.runner)
             raise
+
+    def _heartbeat(self) -> None:
+        if self.running and time.time() - self.beat > claims.HEARTBEAT_S:
+            claims.heartbeat(self.db, [cell.hash for cell, _c, _i in self.running], self.runner)
+            self.beat = time.time()
 
     def _start_ready(self) -> None:
         """Start cells in spec order while the next one's GPUs are free. A cell that must wait
@@ -136,11 +160,34 @@ class _Scheduler:
             ids = self.slots.take(self.todo[0].gpus)
             if ids is None:
                 return
-            self._start(self.todo.pop(0), ids)
+            cell = self.todo.pop(0)
+            if self._claim(cell):
+                self._start(cell, ids)
+            else:
+                self.slots.give(ids)
+
+    def _claim(self, cell: Cell) -> bool:
+        """Claim the cell for this runner; otherwise say who has it, or that it is recorded."""
+        taken = claims.claim(self.db, cell.hash, self.runner, self.retry)
+        if taken is None:
+            return True
+        if isinstance(taken, Holder):
+            outcome = f"{ELSEWHERE}: {taken}"
+        else:
+            outcome = "recorded by another runner (skipped)"
+        self.result.outcomes[cell.index] = outcome
+        self.progress(f"[{cell.index}/{self.total}] {cell.describe()}: {outcome}")
+        return False
 
     def _start(self, cell: Cell, ids: list[str]) -> None:
         gpu = ",".join(ids) or None  # None: a CPU cell inherits the runner's environment
-        self.running.append((cell, CellProcess(cell.config, self.db_path, gpu), ids))
+        try:
+            child = CellProcess(cell.config, self.db.path, gpu)
+        except BaseException:
+            claims.release(self.db, [cell.hash], self.runner)
+            self.slots.give(ids)
+            raise
+        self.running.append((cell, child, ids))
         where = f" on GPU{'s' if len(ids) > 1 else ''} {gpu}" if ids else ""
         self.progress(f"[{cell.index}/{self.total}] {cell.describe()}{where} | "
                       f"elapsed {_hms(time.time() - self.t0)} | left {self._eta()}")
@@ -154,7 +201,10 @@ class _Scheduler:
                 continue
             if late:
                 child.kill()
-            outcome = child.finish(timed_out=late)
+            try:
+                outcome = child.finish(timed_out=late)
+            finally:
+                claims.release(self.db, [cell.hash], self.runner)
             self.running.remove(entry)
             self.slots.give(ids)
             self.durations.append(time.time() - child.started)

@@ -183,7 +183,24 @@ def cell_table(cells: list[Cell], outcomes: dict[int, str]) -> str:
                          "outcome"], rows)
 
 
-def plan_outcomes(cells: list[Cell], recorded: set[str]) -> dict[int, str]:
-    """What a run would do with each cell (for --dry-run)."""
-    return {c.index: f"invalid: {c.error}" if c.error else
-            "recorded (skip)" if c.hash in recorded else "to run" for c in cells}
+def plan_outcomes(cells: list[Cell], db, retry: frozenset[str] = frozenset()) -> dict[int, str]:
+    """What a run would do with each cell (for --dry-run), with --retry `retry`."""
+    from memstudy.grid.claims import Runner, attempt_kind, latest_attempts, wants_rerun
+
+    from memstudy.grid.history import older_records
+
+    attempts, now = latest_attempts(db), Runner.this_process()
+    older = older_records(cells, db)
+    outcomes = {}
+    for c in cells:
+        last = attempts.get(c.hash)
+        if c.error:
+            outcomes[c.index] = f"invalid: {c.error}"
+        elif not wants_rerun(last, retry, now):
+            outcomes[c.index] = "recorded (skip)"
+        else:
+            outcomes[c.index] = ("to run" if last is None else
+                                 f"to run again (last: {attempt_kind(last['status'], last['failed_phase'])})")
+            if c.index in older:
+                outcomes[c.index] += f"; {older[c.index]}"
+    return outcomes

@@ -26,7 +26,8 @@ from memstudy.report.data import load_maxres, load_runs, open_db
 from memstudy.report.plots import (largest_size_chart, loss_curve_chart, png, ratio_chart,
                                    resolution_chart, tri_control_chart)
 from memstudy.report.tables import (COLUMNS, TABLES, TITLES, as_cells, largest_size, loss_curves,
-                                    losses, memory_ratios, memory_vs_resolution, phase_memory)
+                                    losses, memory_ratios, memory_vs_resolution, phase_memory,
+                                    spellings)
 from memstudy.report.triaccel_section import control_series as tri_control_series
 from memstudy.report.triaccel_section import efficiency as tri_efficiency
 from memstudy.report.triaccel_section import tri_runs
@@ -84,7 +85,16 @@ def build_report(db, fmt: str = "term", budget: str | None = None,
     heading = {"term": "{}\n", "md": "## {}\n\n", "csv": "# {}\n", "latex": "% {}\n"}[fmt]
     sections = [heading.format(TITLES[name]) + (render(name, rows, fmt) if rows else "(no runs)")
                 for name, rows in tables.items()]
-    return "\n\n".join(sections) + "\n"
+    return "\n\n".join(sections + spelling_note(db, fmt)) + "\n"
+
+
+def spelling_note(db, fmt: str) -> list[str]:
+    """One line per technique set recorded under several spellings, which the tables merge."""
+    merged = spellings(load_runs(db))
+    mark = {"term": "", "md": "", "csv": "# ", "latex": "% "}[fmt]
+    return [f"{mark}note: {shown} is also recorded as {', '.join(names[1:])}: the same technique "
+            f"set spelled differently (one config hash), shown once as {shown}"
+            for shown, names in merged.items()]
 
 
 __all__ = ["COLUMNS", "TABLES", "TITLES", "accumulation", "build_report", "cost", "parse_weights", "budget_line", "largest_size",

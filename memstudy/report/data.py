@@ -20,7 +20,7 @@ def open_db(db: str | Path | ResultsDB) -> ResultsDB:
     if not Path(db).is_file():
         raise ConfigError(f"results database {str(db)!r} not found; run a grid first "
                           "(memstudy grid examples/quick.toml) or pass --db / set MEMSTUDY_DB")
-    return ResultsDB(db)
+    return ResultsDB(db, create=False)  # a report reads: it adds nothing to the file
 
 
 def phase_peak(m: dict[str, float]) -> float | None:

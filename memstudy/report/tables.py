@@ -26,10 +26,31 @@ def _device(run: dict[str, Any]) -> str:
     return run["gpu_name"] or ("cpu" if run["device"].startswith("cpu") else run["device"])
 
 
+def technique_set(run: dict[str, Any]) -> tuple[str, ...]:
+    """The technique set a run was hashed with: its stored config's canonical techniques (the
+    same set typed in another order or spelling is one set), else the name as typed."""
+    config = run.get("config") or {}
+    return tuple(config["techniques"]) if "techniques" in config else (run["name"],)
+
+
+def spellings(runs: Rows) -> dict[str, list[str]]:
+    """For each technique set recorded under more than one spelling: the spelling the tables
+    show (the first recorded) -> every spelling recorded."""
+    seen: dict[tuple, list[str]] = defaultdict(list)
+    for run in runs:
+        names = seen[technique_set(run)]
+        if run["name"] not in names:
+            names.append(run["name"])
+    return {names[0]: names for names in seen.values() if len(names) > 1}
+
+
 def _groups(runs: Rows) -> dict[tuple, Rows]:
+    """Runs by (technique set, size, batch, device); a set is shown once, by its first spelling."""
+    shown: dict[tuple, str] = {}
     groups: dict[tuple, Rows] = defaultdict(list)
     for run in runs:
-        groups[(run["name"], run["image_size"], run["batch_size"], _device(run))].append(run)
+        name = shown.setdefault(technique_set(run), run["name"])
+        groups[(name, run["image_size"], run["batch_size"], _device(run))].append(run)
     return groups
 
 
