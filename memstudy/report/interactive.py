@@ -87,6 +87,7 @@ def resolution_chart(rows: Rows, budget_mb: float | None) -> go.Figure | None:
             series[(r["name"], r["device"])].append(r)
     if not series:
         return None
+    native = len(rows) - sum(len(g) for g in series.values())
     fig = go.Figure()
     for (name, device), group in sorted(series.items()):
         group = sorted(group, key=lambda r: size_sort_key(r["image_size"]))
@@ -99,7 +100,8 @@ def resolution_chart(rows: Rows, budget_mb: float | None) -> go.Figure | None:
                            "peak %{y:.0f} MB<extra></extra>")))
     if budget_mb:
         fig.add_hline(y=budget_mb, line_dash="dash", annotation_text=f"budget {budget_mb:.0f} MB")
-    return _layout(fig, "Absolute peak memory against resolution",
+    left_off = f" ({native} native-size run(s) not plotted)" if native else ""
+    return _layout(fig, f"Absolute peak memory against resolution{left_off}",
                    "side of the square with the same pixels (px)", "peak MB")
 
 
