@@ -1,4 +1,4 @@
-"""`memstudy` command line: run, techniques, grid, maxres, report, tune."""
+"""`memstudy` command line: run, techniques, grid, maxres, report, advise, tune."""
 from __future__ import annotations
 
 import argparse
@@ -222,6 +222,53 @@ def add_study_parsers(sub) -> None:
     report.set_defaults(func=cmd_report)
 
 
+def cmd_advise(args: argparse.Namespace) -> int:
+    from memstudy import advise
+
+    db = args.db
+    if args.check:
+        rows = advise.check(db)
+        print(advise.check_table(rows) if rows else "no stored prediction has a run recorded "
+              "after it yet; run one (memstudy advise ... --confirm, or memstudy run)")
+        return 0
+    if not args.budget or not args.size:
+        raise ConfigError("memstudy advise needs --budget and --size, e.g. --budget 8GiB "
+                          "--size 4188x3500 (or --check)")
+    device, preds, skipped = advise.predict_all(db, args.budget, args.size, args.batch_size,
+                                                args.gpu)
+    advise.store(db, device, args.size, args.budget, args.batch_size, preds)
+    advise.refuse_if_none_fits(device, args.size, args.budget, preds)
+    print(advise.describe(device, args.size, args.budget, preds[:args.top] if args.top else preds))
+    for name, why in skipped:
+        print(f"not predicted: {name}: {why}")
+    if args.confirm:
+        top = preds[0]
+        outcome = advise.confirm(db, top, args.size, args.budget, eprint)
+        print(f"confirmed {top.name}: {outcome}")
+        rows = [r for r in advise.check(db) if r["name"] == top.name]
+        if rows:
+            print(advise.check_table(rows[-1:]))
+        return 0 if outcome == "ok" else 1
+    return 0
+
+
+def add_advise_parser(sub) -> None:
+    advise = sub.add_parser("advise", help="rank technique sets predicted to train a size under "
+                            "a budget, from the recorded runs (docs/advise.md)")
+    advise.add_argument("--budget", help="device memory budget, e.g. 8GiB (CUDA context included)")
+    advise.add_argument("--size", help="image size: 4188 or 4188x3500 (height x width)")
+    advise.add_argument("--batch-size", type=int, default=1, help="batch size of the runs to "
+                        "fit (default 1)")
+    advise.add_argument("--gpu", help="read runs of this GPU (part of its name, e.g. H100); "
+                        "default: this machine's GPU, else the database's only device")
+    advise.add_argument("--top", type=int, help="show only the first N sets")
+    advise.add_argument("--confirm", action="store_true", help="run the top candidate at the "
+                        "size under the budget, record it and show the prediction's error")
+    advise.add_argument("--check", action="store_true", help="compare stored predictions with "
+                        "the runs recorded after them; predict nothing")
+    advise.set_defaults(func=cmd_advise)
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
     from memstudy.store import merge_databases
 
@@ -275,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("sources", nargs="+", help="results databases to copy from")
     merge.set_defaults(func=cmd_merge)
     add_study_parsers(sub)
+    add_advise_parser(sub)
     tune = sub.add_parser("tune", help="evolutionary hyperparameter search with Propulate "
                           "(docs/tune.md); every trial a recorded run, resumable")
     tune.add_argument("spec", help="tune spec (TOML: [base], [space], [search], [fitness])")
