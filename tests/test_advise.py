@@ -118,3 +118,12 @@ def test_confirm_runs_the_top_candidate_and_records_it(tmp_path, make_config, ca
     assert confirmed["image_size"] == 224 and confirmed["status"] == "ok"
     (row,) = advise.check(db)
     assert row["run"] == confirmed["id"] and row["measured_mb"] > 0 and row["fit_call"] == "right"
+
+
+def test_a_recorded_out_of_memory_run_overrules_a_fitting_line(db):  # noqa: F811
+    gpu_run(db, "amp", 896, 0, 0, budget="4GiB", status="oom")
+    amp = next(p for p in ranked(db, "4GiB", 960)[0] if p.name == "amp")
+    assert amp.peak_bytes < 4096 * MB and not amp.fits
+    assert amp.why_not == "recorded oom in forward at 896 px under 4GiB"
+    assert next(p for p in ranked(db, "4GiB", 768)[0] if p.name == "amp").fits  # fewer pixels
+    assert next(p for p in ranked(db, "8GiB", 960)[0] if p.name == "amp").fits  # larger budget
