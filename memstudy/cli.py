@@ -140,7 +140,8 @@ def cmd_grid(args: argparse.Namespace) -> int:
         return 0
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cells as Ctrl-C does
     try:
-        result = run_grid(spec, args.db, gpus, progress=None if args.quiet else eprint)
+        result = (_run_grid_jobs(spec, args) if args.launcher != "processes" else
+                  run_grid(spec, args.db, gpus, progress=None if args.quiet else eprint))
     except KeyboardInterrupt:
         eprint("interrupted: recorded cells are kept; the cells that were running left no "
                "record and a rerun runs them")
@@ -148,6 +149,20 @@ def cmd_grid(args: argparse.Namespace) -> int:
     print(cell_table(result.cells, result.outcomes))
     print(f"stored in {args.db}")
     return 1 if result.unrecorded else 0
+
+
+def _run_grid_jobs(spec, args: argparse.Namespace):
+    """A grid whose cells are submitit jobs (docs/grid.md, "On a Slurm cluster")."""
+    from memstudy.grid.slurm import run_grid_submitit
+
+    if args.gpus:
+        raise ConfigError(f"--gpus applies to --launcher processes; with --launcher "
+                          f"{args.launcher} each job gets its GPUs from the scheduler")
+    width = args.max_jobs or (1 if args.launcher == "submitit-local" else None)
+    if width is not None and width < 1:
+        raise ConfigError(f"--max-jobs {width}: give 1 or more")
+    return run_grid_submitit(spec, args.db, args.launcher, args.partition, width,
+                             progress=None if args.quiet else eprint)
 
 
 def cmd_maxres(args: argparse.Namespace) -> int:
@@ -195,6 +210,13 @@ def add_study_parsers(sub) -> None:
     grid.add_argument("--budget", help="memory budget for every cell, e.g. 8GiB")
     grid.add_argument("--timeout", type=float, help="per-cell timeout in seconds")
     grid.add_argument("--dry-run", action="store_true", help="list the cells; run nothing")
+    grid.add_argument("--launcher", choices=("processes", "slurm", "submitit-local"),
+                      default="processes", help="processes: cells as processes of this host "
+                      "(default); slurm: one Slurm job per cell through submitit; "
+                      "submitit-local: the same jobs on this host (docs/grid.md)")
+    grid.add_argument("--partition", help="Slurm partition for --launcher slurm")
+    grid.add_argument("--max-jobs", type=int, help="jobs at once (default: every cell for "
+                      "slurm, 1 for submitit-local, so CPU timings do not compete)")
     grid.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     grid.set_defaults(func=cmd_grid)
     maxres = sub.add_parser("maxres", help="largest square size that trains under --budget")
