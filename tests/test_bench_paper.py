@@ -42,6 +42,7 @@ def test_tables_beside_the_paper_with_the_seed_spread_flag(tmp_path, capsys):
         paper_run(db, "original", seed, 0.060 + noise)
         paper_run(db, "amp:fp16", seed, 0.063 + noise)      # 3 std apart: beyond the spread
         paper_run(db, "invertible", seed, 0.0605 + noise)   # within it
+        paper_run(db, "checkpoint:block", seed, 0.0615 + noise)  # 1.5 std: intervals overlap
     paper_run(db, "quantization", 0, 0.07)                   # one seed: no spread
     assert bench_paper.main([str(db.path), "--format", "md"]) == 0
     out = capsys.readouterr().out
@@ -49,5 +50,5 @@ def test_tables_beside_the_paper_with_the_seed_spread_flag(tmp_path, capsys):
     line = {row.split("|")[2].strip(): row for row in table1a.splitlines() if row.startswith("| ")}
     assert "| 6.3000 ± 0.1000 (n=3) | 6.2515 | yes |" in line["amp:fp16"]
     assert "| no |" in line["invertible"] and "n/a (one seed)" in line["quantization"]
-    assert "| 4.0504 |" in line["original"] and "not run" in line["checkpoint:block"]
+    assert "| 4.0504 |" in line["original"] and "| no |" in line["checkpoint:block"]
     assert "| 500.00 ± 0.00 | 757.76 |" in out  # Table 2: our forward MB beside the paper's
