@@ -240,7 +240,9 @@ def add_study_parsers(sub) -> None:
     report.add_argument("--out", help="write to this file instead of the terminal")
     report.add_argument("--cost-weights", help="w1,w2,w3 of the cost objective C = w1 T + w2 M "
                         "+ w3 E (time to target, peak memory, energy; docs/metrics.md), e.g. 1,1,0")
-    report.add_argument("--budget", help="budget line on the memory-vs-resolution plot, e.g. 8GiB")
+    report.add_argument("--budget", help="a budget to decide for besides those of the database's "
+                        "runs (decision table), and the budget line of the memory-vs-resolution "
+                        "plot, e.g. 8GiB")
     report.set_defaults(func=cmd_report)
 
 

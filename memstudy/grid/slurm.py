@@ -37,11 +37,19 @@ from memstudy.store import ResultsDB, merge_databases
 LAUNCHERS = ("slurm", "submitit-local")
 
 
-def run_cell(config_toml: str, cell_db: str) -> int:
-    """The job's body: `memstudy --db CELL_DB run --config CELL.toml` in the job's process."""
-    from memstudy.cli import main
+def run_cell(config_toml: str, cell_db: str) -> str:
+    """The job's body, in the job's own process: what `memstudy --db CELL_DB run --config
+    CELL.toml` does (one process, or one per rank for world_size > 1); returns the status."""
+    from memstudy.config import load_toml
+    from memstudy.launch import run_distributed
+    from memstudy.runner import execute
 
-    return main(["--db", cell_db, "run", "--config", config_toml, "--quiet"])
+    config = load_toml(config_toml)
+    if config.world_size > 1:
+        record = run_distributed(config, cell_db, None)
+    else:
+        record = execute(config, ResultsDB(cell_db))
+    return record.status
 
 
 def make_executor(launcher: str, folder: Path, partition: str | None):
