@@ -23,8 +23,7 @@ from pathlib import Path
 
 from memstudy.bytesize import mb
 from memstudy.grid import expand, load_spec
-from memstudy.report.data import load_runs, phase_peak
-from memstudy.report.decide import device_of
+from memstudy.report.data import device_of, load_runs, phase_peak
 from memstudy.report.tables import spread
 from memstudy.table_format import render_table
 

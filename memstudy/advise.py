@@ -30,8 +30,8 @@ from typing import Any, Callable
 from memstudy.bytesize import mb, parse_bytes
 from memstudy.errors import ConfigError
 from memstudy.maxres import fit_line
-from memstudy.report.data import TRAIN_PHASES, load_runs, open_db
-from memstudy.report.decide import candidates, contexts, device_of, quality_cost
+from memstudy.report.data import TRAIN_PHASES, device_of, load_runs, open_db
+from memstudy.report.decide import candidates, contexts, missing_context, quality_cost
 from memstudy.sizes import parse_size, size_hw, size_label
 from memstudy.store import ResultsDB
 from memstudy.table_format import format_table
@@ -167,7 +167,7 @@ def predict_set(name: str, runs: list[dict], pixels: int, size, limit: int,
         step = max(a + b * pixels, 0.0) or None
     exact = by_px.get(pixels, [])
     if exact:  # a measurement at the very size beats the line
-        peak = max(max(r["peaks"].values()) + _context(r, context) for r in exact)
+        peak = max(max(r["peaks"].values()) + missing_context(r, context) for r in exact)
         step = _median([r["metrics"].get("run", {}).get("step_time_s") for r in exact]) or step
     pred = Prediction(name, peak, step, phase, _confidence(xs, pixels, bool(exact)), worst,
                       peak <= limit, template=max(ok, key=_pixels)["config"], phase_fits=fits)
@@ -177,14 +177,9 @@ def predict_set(name: str, runs: list[dict], pixels: int, size, limit: int,
     return pred
 
 
-def _context(run: dict, context: float) -> float:
-    cuda = any("alloc_peak_bytes" in run["metrics"].get(p, {}) for p in TRAIN_PHASES)
-    return context if cuda and not run["env"].get("cuda_context_bytes") else 0.0
-
-
 def _abs(run: dict, phase: str, context: float) -> float | None:
     peak = run["peaks"].get(phase)
-    return None if peak is None else peak + _context(run, context)
+    return None if peak is None else peak + missing_context(run, context)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -323,7 +318,7 @@ def check(db) -> list[dict[str, Any]]:
 
 
 def _checked(p: dict, run: dict, context: float) -> dict[str, Any]:
-    peak = max(run["peaks"].values()) + _context(run, context) if run["peaks"] else None
+    peak = max(run["peaks"].values()) + missing_context(run, context) if run["peaks"] else None
     step = run["metrics"].get("run", {}).get("step_time_s")
     budget = run["config"].get("budget")
     judged = budget is not None and parse_bytes(budget) <= p["budget_bytes"] and run["status"] in ("ok", "oom")

@@ -28,7 +28,8 @@ from statistics import median
 from typing import Any
 
 from memstudy.bytesize import mb, parse_bytes
-from memstudy.report.data import TRAIN_PHASES, load_maxres, load_runs, open_db, phase_peak
+from memstudy.report.data import (TRAIN_PHASES, device_of, load_maxres, load_runs, open_db,
+                                  phase_peak)
 from memstudy.report.tables import spread
 from memstudy.sizes import size_hw, size_sort_key
 
@@ -38,10 +39,6 @@ BASELINE = "original"
 CATEGORIES = (("cat_params_bytes", "parameters"), ("cat_grads_bytes", "gradients"),
               ("cat_optimizer_bytes", "optimizer state"), ("cat_saved_bytes", "saved activations"),
               ("cat_loss_saved_bytes", "saved by the loss"), ("cat_other_bytes", "other"))
-
-
-def device_of(run: dict[str, Any]) -> str:
-    return run["gpu_name"] or ("cpu" if run["device"].startswith("cpu") else run["device"])
 
 
 def _protocol(run: dict[str, Any]) -> str:
@@ -63,14 +60,19 @@ def contexts(runs: Rows) -> dict[str, float]:
     return {gpu: median(values) for gpu, values in seen.items()}
 
 
+def missing_context(run: dict[str, Any], context: float) -> float:
+    """What to add to a run's peaks to make them absolute: `context` (the GPU's measured CUDA
+    context) for a CUDA run that did not measure its own, else 0."""
+    cuda = any("alloc_peak_bytes" in run["metrics"].get(p, {}) for p in TRAIN_PHASES)
+    return context if cuda and not run["env"].get("cuda_context_bytes") else 0.0
+
+
 def absolute_peak(run: dict[str, Any], context_by_gpu: dict[str, float]) -> tuple[float | None, bool]:
     """(the run's absolute peak, whether its context was estimated): allocator + context on a
     GPU, live tensor bytes on the CPU (report.data.absolute_phase_peaks)."""
     peak = max(run["peaks"].values(), default=None)
-    cuda = any("alloc_peak_bytes" in run["metrics"].get(p, {}) for p in TRAIN_PHASES)
-    if peak is None or not cuda or run["env"].get("cuda_context_bytes"):
-        return peak, False
-    return peak + context_by_gpu.get(device_of(run), 0.0), device_of(run) in context_by_gpu
+    added = missing_context(run, context_by_gpu.get(device_of(run), 0.0))
+    return (None, False) if peak is None else (peak + added, added > 0)
 
 
 def candidates(db) -> Rows:

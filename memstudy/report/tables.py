@@ -12,7 +12,7 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
 
-from memstudy.report.data import TRAIN_PHASES, load_maxres, load_runs, phase_peak
+from memstudy.report.data import TRAIN_PHASES, device_of, load_maxres, load_runs, phase_peak
 from memstudy.sizes import size_sort_key
 from memstudy.store import ResultsDB
 from memstudy.bytesize import mb
@@ -22,14 +22,10 @@ Rows = list[dict[str, Any]]
 DB = str | Path | ResultsDB
 
 
-def _device(run: dict[str, Any]) -> str:
-    return run["gpu_name"] or ("cpu" if run["device"].startswith("cpu") else run["device"])
-
-
 def _groups(runs: Rows) -> dict[tuple, Rows]:
     groups: dict[tuple, Rows] = defaultdict(list)
     for run in runs:
-        groups[(run["name"], run["image_size"], run["batch_size"], _device(run))].append(run)
+        groups[(run["name"], run["image_size"], run["batch_size"], device_of(run))].append(run)
     return groups
 
 
@@ -127,7 +123,7 @@ def memory_vs_resolution(db: DB) -> Rows:
     for r in load_runs(db, probes=True):
         peak = max(r["peaks"].values(), default=None)
         rows.append({"name": r["name"], "image_size": r["image_size"], "batch_size": r["batch_size"],
-                     "device": _device(r), "status": r["status"], "failed_phase": r["failed_phase"],
+                     "device": device_of(r), "status": r["status"], "failed_phase": r["failed_phase"],
                      "peak_mb": mb(peak), "budget_mb": mb(r["env"].get("budget_bytes"))})
     return sorted(rows, key=lambda x: (x["device"], x["name"], size_sort_key(x["image_size"])))
 
