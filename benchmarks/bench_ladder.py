@@ -165,7 +165,8 @@ def run_native(db: Path, args: argparse.Namespace, label: str, techniques: str,
            "-t", techniques, "--device", "cuda", "--steps", str(steps), "-q", "--label", label,
            "--set", f"train.warmup_steps={args.warmup}",
            "--set", f"train.measure_steps={min(2, steps - args.warmup)}",
-           "--set", f"data.train_images={steps}", "--set", "data.val_images=2"]
+           "--set", f"data.train_images={steps}", "--set", "data.val_images=2",
+           "--set", "meter.profile=true"]
     if budget:
         cmd += ["--budget", budget]
     for setting in settings:
@@ -199,6 +200,7 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
                      "step": run.get("step_time_s") or run.get("metered_step_time_s"),
                      "retries": run.get("alloc_retries"),
                      "msssim": None if val is None else 1 - val,
+                     **_profile_of(rdb, r["id"]),
                      "error": (r["error"] or "")[:100]})
     tuned = next((r["step"] for r in rows if r["label"] == TUNED_LABEL), None)
     # databases recorded before the tuned row existed: against the default amp:bf16, said so
@@ -214,8 +216,9 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
              "same steps on the same phantoms. Retries: the allocator's `num_alloc_retries` "
              "(docs/metrics.md).", "",
              "| run | status | allocator peak MB | NVML peak MB | retries | step s | "
-             f"{reference} | val MS-SSIM | vs float32 | error |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{reference} | launches / step | GPU busy ms / step | val MS-SSIM | vs float32 | "
+             "error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['step'] / bf16:.2f}" if r["step"] and bf16 else "-"
         rel = f"{(r['msssim'] - fp32) / fp32:+.2%}" if r["msssim"] is not None and fp32 else "-"
@@ -225,8 +228,16 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
             f"{r['nvml'] / 2**20:.0f}" if r["nvml"] else "-",
             "-" if r["retries"] is None else f"{r['retries']:.0f}",
             f"{r['step']:.3f}" if r["step"] else "-", ratio,
+            f"{r['launches']:.0f}" if r.get("launches") else "-",
+            f"{r['busy']:.1f}" if r.get("busy") else "-",
             f"{r['msssim']:.4f}" if r["msssim"] is not None else "-", rel, r["error"] + " |"]))
     return lines
+
+
+def _profile_of(rdb, run_id: int) -> dict[str, float]:
+    """The run's profiled warm-up step (meter.profile): launches and GPU-busy ms per step."""
+    found = {r["name"]: r["value"] for r in rdb.series(run_id, "%_per_step")}
+    return {"launches": found.get("launches_per_step"), "busy": found.get("gpu_busy_ms_per_step")}
 
 
 def native(args: argparse.Namespace, out: Path) -> int:
