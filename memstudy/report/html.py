@@ -22,8 +22,8 @@ from memstudy.table_format import render_table
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:90em}
 table{border-collapse:collapse;margin:0.5em 0 1.5em}
-th,td{border:1px solid #bbb;padding:0.2em 0.6em;text-align:right}
-th:first-child,td:first-child{text-align:left}
+th,td{border:1px solid #bbb;padding:0.2em 0.6em;text-align:left;overflow-wrap:break-word}
+td.num{text-align:right;white-space:nowrap}
 thead{background:#eee}th{cursor:pointer}th.asc::after{content:" \\25B2"}
 th.desc::after{content:" \\25BC"}img{max-width:100%}"""
 
@@ -32,8 +32,11 @@ ERROR_COUNTER = """window.memstudyErrors=[];window.addEventListener('error',func
 memstudyErrors.push(String(e.message));
 document.documentElement.setAttribute('data-script-errors',memstudyErrors.length);});"""
 
-# Click a header to sort its table by that column (numbers by value, '-' last), again to reverse.
-SORTER = """document.querySelectorAll('table.sortable th').forEach(function(th,col){
+# Numbers right-aligned; click a header to sort its table by that column (numbers by value,
+# '-' last), again to reverse.
+SORTER = """document.querySelectorAll('table.sortable td').forEach(function(td){
+if(/^[-+]?[0-9.]+( |$)/.test(td.textContent.trim()))td.classList.add('num');});
+document.querySelectorAll('table.sortable th').forEach(function(th,col){
 th.title='click to sort';th.addEventListener('click',function(){
 var body=th.closest('table').tBodies[0],rows=Array.from(body.rows);
 var dir=th.classList.contains('asc')?-1:1;
