@@ -1,4 +1,4 @@
-"""`memstudy` command line: run, techniques, grid, maxres, report, tune."""
+"""`memstudy` command line: run, techniques, grid, maxres, report, advise, tune."""
 from __future__ import annotations
 
 import argparse
@@ -144,8 +144,9 @@ def cmd_grid(args: argparse.Namespace) -> int:
         return 0
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cells as Ctrl-C does
     try:
-        result = run_grid(spec, args.db, gpus, progress=None if args.quiet else eprint,
-                          retry=retry)
+        result = (_run_grid_jobs(spec, args) if args.launcher != "processes" else
+                  run_grid(spec, args.db, gpus, progress=None if args.quiet else eprint,
+                           retry=retry))
     except KeyboardInterrupt:
         eprint("interrupted: recorded cells are kept; the cells that were running left no "
                "record and the same command runs them")
@@ -175,6 +176,24 @@ def _cells_folder(db: str) -> str:
     from memstudy.grid import cells_folder
 
     return str(cells_folder(db))
+
+
+def _run_grid_jobs(spec, args: argparse.Namespace):
+    """A grid whose cells are submitit jobs (docs/grid.md, "On a Slurm cluster")."""
+    from memstudy.grid.slurm import run_grid_submitit
+
+    if args.gpus:
+        raise ConfigError(f"--gpus applies to --launcher processes; with --launcher "
+                          f"{args.launcher} each job gets its GPUs from the scheduler")
+    if args.retry:
+        raise ConfigError(f"--retry applies to --launcher processes; with --launcher "
+                          f"{args.launcher} rerun the failed cells' jobs with --launcher processes "
+                          "or drop --retry")
+    width = args.max_jobs or (1 if args.launcher == "submitit-local" else None)
+    if width is not None and width < 1:
+        raise ConfigError(f"--max-jobs {width}: give 1 or more")
+    return run_grid_submitit(spec, args.db, args.launcher, args.partition, width,
+                             progress=None if args.quiet else eprint)
 
 
 def cmd_maxres(args: argparse.Namespace) -> int:
@@ -224,6 +243,13 @@ def add_study_parsers(sub) -> None:
                       "attempt is one of these comma-separated kinds: error, oom, diverged, "
                       "timeout (earlier attempts stay in the database)")
     grid.add_argument("--dry-run", action="store_true", help="list the cells; run nothing")
+    grid.add_argument("--launcher", choices=("processes", "slurm", "submitit-local"),
+                      default="processes", help="processes: cells as processes of this host "
+                      "(default); slurm: one Slurm job per cell through submitit; "
+                      "submitit-local: the same jobs on this host (docs/grid.md)")
+    grid.add_argument("--partition", help="Slurm partition for --launcher slurm")
+    grid.add_argument("--max-jobs", type=int, help="jobs at once (default: every cell for "
+                      "slurm, 1 for submitit-local, so CPU timings do not compete)")
     grid.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     grid.set_defaults(func=cmd_grid)
     maxres = sub.add_parser("maxres", help="largest square size that trains under --budget")
@@ -247,7 +273,9 @@ def add_study_parsers(sub) -> None:
     report.add_argument("--out", help="write to this file instead of the terminal")
     report.add_argument("--cost-weights", help="w1,w2,w3 of the cost objective C = w1 T + w2 M "
                         "+ w3 E (time to target, peak memory, energy; docs/metrics.md), e.g. 1,1,0")
-    report.add_argument("--budget", help="budget line on the memory-vs-resolution plot, e.g. 8GiB")
+    report.add_argument("--budget", help="a budget to decide for besides those of the database's "
+                        "runs (decision table), and the budget line of the memory-vs-resolution "
+                        "plot, e.g. 8GiB")
     report.set_defaults(func=cmd_report)
 
 
@@ -263,6 +291,53 @@ def write_output(path: str, text: str) -> None:
     except OSError as exc:
         raise ConfigError(f"--out {path}: cannot write ({exc.strerror}); choose a writable "
                           "file") from None
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from memstudy import advise
+
+    db = args.db
+    if args.check:
+        rows = advise.check(db)
+        print(advise.check_table(rows) if rows else "no stored prediction has a run recorded "
+              "after it yet; run one (memstudy advise ... --confirm, or memstudy run)")
+        return 0
+    if not args.budget or not args.size:
+        raise ConfigError("memstudy advise needs --budget and --size, e.g. --budget 8GiB "
+                          "--size 4188x3500 (or --check)")
+    device, preds, skipped = advise.predict_all(db, args.budget, args.size, args.batch_size,
+                                                args.gpu)
+    advise.store(db, device, args.size, args.budget, args.batch_size, preds)
+    advise.refuse_if_none_fits(device, args.size, args.budget, preds)
+    print(advise.describe(device, args.size, args.budget, preds[:args.top] if args.top else preds))
+    for name, why in skipped:
+        print(f"not predicted: {name}: {why}")
+    if args.confirm:
+        top = preds[0]
+        outcome = advise.confirm(db, top, args.size, args.budget, eprint)
+        print(f"confirmed {top.name}: {outcome}")
+        rows = [r for r in advise.check(db) if r["name"] == top.name]
+        if rows:
+            print(advise.check_table(rows[-1:]))
+        return 0 if outcome == "ok" else 1
+    return 0
+
+
+def add_advise_parser(sub) -> None:
+    advise = sub.add_parser("advise", help="rank technique sets predicted to train a size under "
+                            "a budget, from the recorded runs (docs/advise.md)")
+    advise.add_argument("--budget", help="device memory budget, e.g. 8GiB (CUDA context included)")
+    advise.add_argument("--size", help="image size: 4188 or 4188x3500 (height x width)")
+    advise.add_argument("--batch-size", type=int, default=1, help="batch size of the runs to "
+                        "fit (default 1)")
+    advise.add_argument("--gpu", help="read runs of this GPU (part of its name, e.g. H100); "
+                        "default: this machine's GPU, else the database's only device")
+    advise.add_argument("--top", type=int, help="show only the first N sets")
+    advise.add_argument("--confirm", action="store_true", help="run the top candidate at the "
+                        "size under the budget, record it and show the prediction's error")
+    advise.add_argument("--check", action="store_true", help="compare stored predictions with "
+                        "the runs recorded after them; predict nothing")
+    advise.set_defaults(func=cmd_advise)
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -323,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("sources", nargs="+", help="results databases to copy from")
     merge.set_defaults(func=cmd_merge)
     add_study_parsers(sub)
+    add_advise_parser(sub)
     tune = sub.add_parser("tune", help="evolutionary hyperparameter search with Propulate "
                           "(docs/tune.md); every trial a recorded run, resumable")
     tune.add_argument("spec", help="tune spec (TOML: [base], [space], [search], [fitness])")

@@ -113,6 +113,26 @@ CREATE TABLE IF NOT EXISTS maxres (
     created_at REAL NOT NULL
 );
 """
+# Created by the first `memstudy advise`, not on open: reading a database (a report of a
+# committed benchmark file) must not change it.
+PREDICTIONS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS predictions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    created_at REAL NOT NULL,     -- runs finished after it check the prediction (advise --check)
+    gpu_name TEXT NOT NULL,       -- the device the fit's runs were on (report device name)
+    name TEXT NOT NULL,           -- technique set, as runs.name
+    image_size TEXT NOT NULL,     -- canonical size (memstudy.sizes), as text
+    batch_size INTEGER NOT NULL,
+    budget TEXT NOT NULL,
+    budget_bytes INTEGER NOT NULL,
+    fits INTEGER NOT NULL,        -- 1: predicted to train under the budget
+    peak_bytes REAL,              -- predicted absolute peak (CUDA context included)
+    step_time_s REAL,             -- predicted time per step
+    confidence TEXT NOT NULL      -- measured / interpolated / extrapolated ... (docs/advise.md)
+);
+"""
+PREDICTION_COLUMNS = ("created_at", "gpu_name", "name", "image_size", "batch_size", "budget",
+                      "budget_bytes", "fits", "peak_bytes", "step_time_s", "confidence")
 MAXRES_COLUMNS = ("config_key", "name", "techniques_json", "budget", "budget_bytes", "device",
                   "gpu_name", "batch_size", "fit_sizes_json", "fit_phase", "fit_a", "fit_b",
                   "predicted_px", "found_px", "step_time_s", "peak_bytes", "probes_json", "error",
@@ -315,6 +335,18 @@ class ResultsDB:
             con.execute(f"INSERT INTO maxres ({', '.join(MAXRES_COLUMNS)}) VALUES "
                         f"({', '.join('?' * len(MAXRES_COLUMNS))})",
                         [row[c] for c in MAXRES_COLUMNS])
+
+    def add_predictions(self, rows: list[dict[str, Any]]) -> None:
+        """Store `memstudy advise` predictions (PREDICTION_COLUMNS each), in one transaction."""
+        con = self._connect()
+        try:
+            with con:
+                con.executescript(PREDICTIONS_SCHEMA)
+                con.executemany(f"INSERT INTO predictions ({', '.join(PREDICTION_COLUMNS)}) "
+                                f"VALUES ({', '.join('?' * len(PREDICTION_COLUMNS))})",
+                                [[row[c] for c in PREDICTION_COLUMNS] for row in rows])
+        finally:
+            con.close()
 
     def query(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
         with self.transaction() as con:

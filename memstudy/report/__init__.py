@@ -12,6 +12,11 @@ Python API (all take a database path or a ResultsDB; rows are lists of dicts, pa
     render(table_name, rows, fmt)       one table as term / md / csv / latex / html
     tri_efficiency(db), tri_control_series(db, run_id), tri_control_chart(series)
                                         Tri-Accel section (only for databases with tri_accel runs)
+    decisions(db, budgets)              per budget and size: the fastest set that fits, its costs
+    pareto(db)                          peak memory against step time per size, Pareto marked
+    phase_categories(db), phase_peaks(db)
+                                        memory by category per phase; increment beside absolute
+    budgets_found(db, extra)            the budgets of the database's runs and searches (bytes)
     build_report(db, fmt)               everything, as `memstudy report` prints it
     notebook_db()                       $MEMSTUDY_DB, else benchmarks/results/h200/gpu.sqlite
 """
@@ -21,6 +26,9 @@ import os
 from pathlib import Path
 
 from memstudy.report import cost as cost_section
+from memstudy.report import decide
+from memstudy.report.decide import (budgets_found, candidates, decisions, pareto,
+                                    phase_categories, phase_peaks)
 from memstudy.report.cost import accumulation, cost, parse_weights
 from memstudy.report.data import load_maxres, load_runs, open_db
 from memstudy.report.plots import (largest_size_chart, loss_curve_chart, png, ratio_chart,
@@ -56,6 +64,8 @@ def budget_line(resolution: list[dict], budget: str | None = None) -> float | No
 
 COLUMNS.update(cost_section.COLUMNS)
 TITLES.update(cost_section.TITLES)
+COLUMNS.update(decide.COLUMNS)
+TITLES.update(decide.TITLES)
 
 
 def build_report(db, fmt: str = "term", budget: str | None = None,
@@ -65,7 +75,10 @@ def build_report(db, fmt: str = "term", budget: str | None = None,
     if fmt not in FORMATS:
         raise ValueError(f"report format {fmt!r} unknown; choose one of {FORMATS}")
     db = open_db(db)
-    tables = {name: fn(db) for name, fn in TABLES.items()}
+    # the decision first: what a reader came for; then the study's tables behind it
+    tables = {"decisions": decisions(db, budgets_found(db, [budget] if budget else []))}
+    tables.update({name: fn(db) for name, fn in TABLES.items()})
+    tables.update({name: fn(db) for name, fn in decide.TABLES.items() if name != "decisions"})
     costs = cost(db, cost_weights or cost_section.DEFAULT_WEIGHTS)
     if cost_weights or any(r["time_to_target_s"] is not None for r in costs):
         tables["cost"] = costs
@@ -97,7 +110,8 @@ def spelling_note(db, fmt: str) -> list[str]:
             for shown, names in merged.items()]
 
 
-__all__ = ["COLUMNS", "TABLES", "TITLES", "accumulation", "build_report", "cost", "parse_weights", "budget_line", "largest_size",
+__all__ = ["COLUMNS", "TABLES", "TITLES", "accumulation", "budgets_found", "build_report",
+           "candidates", "cost", "decisions", "pareto", "phase_categories", "phase_peaks", "parse_weights", "budget_line", "largest_size",
            "largest_size_chart", "load_maxres", "load_runs", "loss_curve_chart", "loss_curves", "losses", "memory_ratios",
            "memory_vs_resolution", "notebook_db", "open_db", "phase_memory", "png",
            "ratio_chart", "render", "resolution_chart", "tri_control_chart",

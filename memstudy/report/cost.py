@@ -25,7 +25,7 @@ from typing import Any
 
 from memstudy.bytesize import mb
 from memstudy.errors import ConfigError
-from memstudy.report.data import load_runs
+from memstudy.report.data import device_of, load_runs
 from memstudy.sizes import size_sort_key
 
 Rows = list[dict[str, Any]]
@@ -98,7 +98,7 @@ def accumulation(db) -> Rows:
         peak = max(r["peaks"].values(), default=None)
         others = "+".join(t.split(":")[0] for t in r["config"]["techniques"]
                           if t.split(":")[0] != TECHNIQUE) or "original"
-        row = {"others": others, "image_size": r["image_size"], "device": _device(r),
+        row = {"others": others, "image_size": r["image_size"], "device": device_of(r),
                "effective_batch": r["batch_size"] * k, "k": k, "batch_size": r["batch_size"],
                "throughput_px_s": run.get("throughput_px_s"), "peak_mb": mb(peak),
                "run": r["id"], "accumulates": k > 1}
@@ -135,9 +135,6 @@ def _figures(r: dict[str, Any]) -> dict[str, Any]:
     run = r["metrics"].get("run", {})
     peak = max(r["peaks"].values(), default=None)
     return {"name": r["name"], "image_size": r["image_size"], "batch_size": r["batch_size"],
-            "device": _device(r), "run": r["id"], "time_to_target_s": run.get("time_to_target_s"),
+            "device": device_of(r), "run": r["id"], "time_to_target_s": run.get("time_to_target_s"),
             "peak_bytes": peak, "peak_mb": mb(peak), "energy_j": run.get("energy_j")}
 
-
-def _device(run: dict[str, Any]) -> str:
-    return run["gpu_name"] or ("cpu" if run["device"].startswith("cpu") else run["device"])

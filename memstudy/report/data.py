@@ -23,6 +23,11 @@ def open_db(db: str | Path | ResultsDB) -> ResultsDB:
     return ResultsDB(db, create=False)  # a report reads: it adds nothing to the file
 
 
+def device_of(run: dict[str, Any]) -> str:
+    """The device a run is reported under: its GPU's name, else 'cpu' (or the device string)."""
+    return run["gpu_name"] or ("cpu" if run["device"].startswith("cpu") else run["device"])
+
+
 def phase_peak(m: dict[str, float]) -> float | None:
     """A phase's peak memory above its start: allocator on CUDA, tensor meter on the CPU."""
     for key in ("alloc_peak_bytes", "tensor_peak_bytes"):

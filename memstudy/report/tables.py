@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from statistics import mean
+from statistics import mean, stdev
 from typing import Any
 
-from memstudy.report.data import TRAIN_PHASES, load_maxres, load_runs, phase_peak
+from memstudy.report.data import TRAIN_PHASES, device_of, load_maxres, load_runs, phase_peak
 from memstudy.sizes import size_sort_key
 from memstudy.store import ResultsDB
 from memstudy.bytesize import mb
@@ -20,10 +20,6 @@ from memstudy.bytesize import mb
 BASELINE = "original"
 Rows = list[dict[str, Any]]
 DB = str | Path | ResultsDB
-
-
-def _device(run: dict[str, Any]) -> str:
-    return run["gpu_name"] or ("cpu" if run["device"].startswith("cpu") else run["device"])
 
 
 def technique_set(run: dict[str, Any]) -> tuple[str, ...]:
@@ -50,13 +46,25 @@ def _groups(runs: Rows) -> dict[tuple, Rows]:
     groups: dict[tuple, Rows] = defaultdict(list)
     for run in runs:
         name = shown.setdefault(technique_set(run), run["name"])
-        groups[(name, run["image_size"], run["batch_size"], _device(run))].append(run)
+        groups[(name, run["image_size"], run["batch_size"], device_of(run))].append(run)
     return groups
 
 
 def _avg(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return mean(present) if present else None
+
+
+def spread(values: list[float | None]) -> tuple[float | None, float | None, int]:
+    """(mean, sample std, n) of the values present; std is None for fewer than two (one seed
+    has no spread)."""
+    present = [v for v in values if v is not None]
+    return _avg(present), (stdev(present) if len(present) > 1 else None), len(present)
+
+
+def _spread_of(key: str, values: list[float | None]) -> dict[str, float | None]:
+    avg, std, _n = spread(values)
+    return {key: avg, f"{key}_std": std}
 
 
 def _status(runs: Rows) -> str:
@@ -85,7 +93,8 @@ def phase_memory(db: DB, image_size: int | None = None) -> Rows:
         for phase in TRAIN_PHASES:
             row[f"{phase}_mb"] = mb(_avg([phase_peak(r["metrics"].get(phase, {})) for r in ok]))
         row["peak_total_mb"] = mb(_avg([max(r["peaks"].values(), default=None) for r in ok]))
-        row["step_time_s"] = _avg([r["metrics"].get("run", {}).get("step_time_s") for r in ok])
+        row.update(_spread_of("step_time_s",
+                              [r["metrics"].get("run", {}).get("step_time_s") for r in ok]))
         row["epoch_time_s"] = _avg([(r["last_epoch"] or {}).get("time_s") for r in ok])
         rows.append(row)
     return sorted(rows, key=_key)
@@ -103,8 +112,8 @@ def losses(db: DB, image_size: int | None = None) -> Rows:
         last = [r["last_epoch"] for r in done]
         rows.append({"name": name, "image_size": size, "batch_size": batch, "device": device,
                      "epochs": max(e["epoch"] for e in last) + 1,
-                     "train_loss": _avg([e["train_loss"] for e in last]),
-                     "val_loss": _avg([e["val_loss"] for e in last]),
+                     **_spread_of("train_loss", [e["train_loss"] for e in last]),
+                     **_spread_of("val_loss", [e["val_loss"] for e in last]),
                      "val_ssim": _avg([e["val_ssim"] for e in last]),
                      "val_psnr": _avg([e["val_psnr"] for e in last]), "runs": len(done)})
     return sorted(rows, key=_key)
@@ -135,7 +144,7 @@ def memory_vs_resolution(db: DB) -> Rows:
     for r in load_runs(db, probes=True):
         peak = max(r["peaks"].values(), default=None)
         rows.append({"name": r["name"], "image_size": r["image_size"], "batch_size": r["batch_size"],
-                     "device": _device(r), "status": r["status"], "failed_phase": r["failed_phase"],
+                     "device": device_of(r), "status": r["status"], "failed_phase": r["failed_phase"],
                      "peak_mb": mb(peak), "budget_mb": mb(r["env"].get("budget_bytes"))})
     return sorted(rows, key=lambda x: (x["device"], x["name"], size_sort_key(x["image_size"])))
 
@@ -186,19 +195,35 @@ TABLES = {"phase_memory": phase_memory, "losses": losses, "memory_ratios": memor
 
 
 PRECISION = {"train_loss": 4, "val_loss": 4, "val_ssim": 4, "val_psnr": 2, "step_time_s": 3,
+             "val_loss_delta": 4, "time_vs_original": 2,
              "epoch_time_s": 2, "forward": 3, "backward": 3, "step": 3,
              "memory_pct": 3, "score": 3}  # MB: 2 decimals
 
 
 def as_cells(table: str, rows: Rows, raw: bool = False) -> tuple[list[str], list[list[Any]]]:
-    """Headers and cells of a table; floats rounded for reading unless `raw` (CSV)."""
+    """Headers and cells of a table; floats rounded for reading unless `raw` (CSV).
+
+    Seed spread: where a row holds `<key>_std` (several seeds), the cell reads "mean ± std";
+    raw tables give the std its own column instead, so a spreadsheet can compute with it."""
     cols = COLUMNS[table]
-    cells = [[_fmt(row.get(k), PRECISION.get(k, 2), raw) for k, _h in cols] for row in rows]
-    return [h for _k, h in cols], cells
+    spread = {k for k, _h in cols if any(row.get(f"{k}_std") is not None for row in rows)}
+    headers, cells = [], [[] for _ in rows]
+    for k, h in cols:
+        digits = PRECISION.get(k, 2)
+        headers.append(h)
+        for row, out in zip(rows, cells):
+            out.append(_fmt(row.get(k), digits, raw, None if raw else row.get(f"{k}_std")))
+        if raw and k in spread:
+            headers.append(f"{h} std")
+            for row, out in zip(rows, cells):
+                out.append(row.get(f"{k}_std"))
+    return headers, cells
 
 
-def _fmt(value: Any, digits: int, raw: bool) -> Any:
-    return f"{value:.{digits}f}" if isinstance(value, float) and not raw else value
+def _fmt(value: Any, digits: int, raw: bool, std: float | None = None) -> Any:
+    if not isinstance(value, float) or raw:
+        return value
+    return f"{value:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
 
 
 def loss_curves(db: DB, image_size: int | None = None) -> Rows:

@@ -1,0 +1,160 @@
+"""The study's Tables 1A, 1B and 2 at its own protocol, beside its published values.
+
+Reads the runs of benchmarks/specs/paper-protocol.toml (label `paper-protocol`) from a results
+database and prints, per technique set: our final train / validation loss as mean ± std over
+seeds (n) next to the paper's (benchmarks/specs/paper-published.toml, Rodriguez et al.,
+seeds/003, Tables 1-2), and whether the set's validation loss differs from original's beyond
+the seed spread: the intervals mean ± std of the two do not overlap. Table 2: forward and
+backward MB (each phase's peak above its start, the study's increment; docs/report.md) and the
+time per epoch, ours next to the paper's.
+
+    python benchmarks/bench_paper.py results/paper.sqlite [--format md] [--gpu H100]
+    python benchmarks/bench_paper.py --estimate benchmarks/results/h200/gpu.sqlite
+
+--estimate prints the grid's training steps and, from the 512 px step times recorded in the
+given database, how long the protocol would take on that GPU (one cell at a time).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+
+from memstudy.bytesize import mb
+from memstudy.grid import expand, load_spec
+from memstudy.report.data import device_of, load_runs, phase_peak
+from memstudy.report.tables import spread
+from memstudy.table_format import render_table
+
+SPECS = Path(__file__).resolve().parent / "specs"
+SPEC, PUBLISHED = SPECS / "paper-protocol.toml", SPECS / "paper-published.toml"
+LABEL = "paper-protocol"
+
+
+def runs_by_set(db: str, gpu: str | None) -> dict[str, list[dict]]:
+    by_set: dict[str, list[dict]] = {}
+    for run in load_runs(db):
+        if run["label"] == LABEL and (gpu is None or gpu.lower() in device_of(run).lower()):
+            by_set.setdefault(run["name"], []).append(run)
+    return by_set
+
+
+def loss_stats(runs: list[dict], key: str, scale: float) -> tuple:
+    last = [(r["last_epoch"] or {}).get(key) for r in runs if r["status"] == "ok"]
+    m, s, n = spread([v * scale if v is not None else None for v in last])
+    return m, s, n
+
+
+def _cell(stat: tuple) -> str:
+    m, s, n = stat
+    if m is None:
+        return "-"
+    return f"{m:.4f}" + (f" ± {s:.4f}" if s is not None else "") + f" (n={n})"
+
+
+def differs(a: tuple, b: tuple) -> str:
+    """'yes' / 'no' when both have a seed spread: whether mean ± std intervals are apart."""
+    (ma, sa, na), (mb_, sb, nb) = a, b
+    if ma is None or mb_ is None:
+        return "-"
+    if sa is None or sb is None:
+        return "n/a (one seed)"
+    return "yes" if abs(ma - mb_) > sa + sb else "no"
+
+
+def table1(part: dict, by_set: dict, scale: float) -> tuple[list[str], list[list]]:
+    base = loss_stats(by_set.get("original", []), "val_loss", scale)
+    rows = []
+    for name, paper in part.items():
+        runs = by_set.get(name, [])
+        train, val = loss_stats(runs, "train_loss", scale), loss_stats(runs, "val_loss", scale)
+        status = ", ".join(sorted({r["status"] for r in runs})) or "not run"
+        rows.append([paper["paper"], name, _cell(train), _published(paper, "train_loss"),
+                     _cell(val), _published(paper, "val_loss"),
+                     "-" if name == "original" else differs(val, base), status])
+    return (["paper", "techniques", "train loss", "paper train", "val loss", "paper val",
+             "val differs from original", "status"], rows)
+
+
+def table2(part: dict, by_set: dict) -> tuple[list[str], list[list]]:
+    rows = []
+    for name, paper in part.items():
+        ok = [r for r in by_set.get(name, []) if r["status"] == "ok"]
+        fwd = spread([mb(phase_peak(r["metrics"].get("forward", {}))) for r in ok])
+        bwd = spread([mb(phase_peak(r["metrics"].get("backward", {}))) for r in ok])
+        epoch = spread([(r["last_epoch"] or {}).get("time_s") for r in ok])
+        rows.append([paper["paper"], name, _num(fwd), _published(paper, "forward_mb"), _num(bwd),
+                     _published(paper, "backward_mb"), _num(epoch), _published(paper, "epoch_s")])
+    return (["paper", "techniques", "Forward MB", "paper Forward", "Backward MB",
+             "paper Backward", "epoch s", "paper epoch s"], rows)
+
+
+def _published(paper: dict, key: str) -> str:
+    """A published value as printed (all its digits), '-' where the set never finished."""
+    return str(paper[key]) if key in paper else "-"
+
+
+def _num(stat: tuple) -> str:
+    m, s, _n = stat
+    return "-" if m is None else f"{m:.2f}" + (f" ± {s:.2f}" if s is not None else "")
+
+
+def estimate(db: str, gpu: str | None) -> str:
+    """Training steps of the protocol and the time they take at the recorded 512 px step
+    times (the median over the set's runs at 512 px, batch 1); per-cell start-up and
+    validation passes are not in it."""
+    cells = [c for c in expand(load_spec(SPEC)) if not c.error or "no CUDA GPU" in c.error]
+    times: dict[str, list[float]] = {}
+    for run in load_runs(db, probes=True):
+        step = run["metrics"].get("run", {}).get("step_time_s")
+        if (run["image_size"] == 512 and run["batch_size"] == 1 and run["status"] == "ok" and step
+                and (gpu is None or gpu.lower() in device_of(run).lower())):
+            times.setdefault(run["name"], []).append(step)
+    lines, total, unknown = [], 0.0, []
+    for cell in cells:
+        steps = cell.config.train.epochs * cell.config.data.train_images // cell.config.train.batch_size
+        known = sorted(times.get(cell.name, []))
+        if not known:
+            unknown.append(cell.name)
+            continue
+        total += steps * known[len(known) // 2]
+    steps = sum(c.config.train.epochs * c.config.data.train_images for c in cells)
+    lines.append(f"{len(cells)} cells, {steps} training steps at 512 px")
+    lines.append(f"steps alone: {total / 60:.1f} min at the recorded step times"
+                 + (f"; no 512 px time recorded for {sorted(set(unknown))}" if unknown else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("db", help="results database with the paper-protocol runs")
+    p.add_argument("--format", choices=("term", "md", "csv", "latex"), default="term")
+    p.add_argument("--gpu", help="only runs of this GPU (part of its name)")
+    p.add_argument("--estimate", action="store_true", help="print the protocol's run time "
+                   "from the 512 px step times in DB; read no paper-protocol runs")
+    args = p.parse_args(argv)
+    if not Path(args.db).is_file():
+        print(f"bench_paper: error: no database {args.db}", file=sys.stderr)
+        return 2
+    if args.estimate:
+        print(estimate(args.db, args.gpu))
+        return 0
+    published = tomllib.loads(PUBLISHED.read_text())
+    by_set = runs_by_set(args.db, args.gpu)
+    scale = published["loss_scale"]
+    gpus = sorted({device_of(r) for runs in by_set.values() for r in runs}) or ["no runs"]
+    print(f"paper-protocol runs of {args.db} on {', '.join(gpus)}; losses x {scale:g} as the "
+          "paper prints them\n")
+    for title, (headers, rows) in (
+            ("Table 1A: loss per technique, 512 px, 50 epochs", table1(published["table1a"], by_set, scale)),
+            ("Table 1B: loss per combination", table1(published["table1b"], by_set, scale)),
+            ("Table 2: memory per phase (MB) and time per epoch", table2(published["table2"], by_set))):
+        print(title)
+        print(render_table(headers, rows, args.format))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""`memstudy advise`: which technique sets should train a size under a budget, from what was
+measured, before anything runs.
+
+For each technique set recorded on the chosen GPU (single device, the requested batch size),
+each training phase's absolute peak (report.decide: allocator + CUDA context, estimated from
+the GPU's budgeted runs where a run did not measure it) is fitted as a + b * pixels by least
+squares over the set's finished runs, as `memstudy maxres` fits it (maxres.fit_line), and so is
+the step time. The predicted peak is the largest phase's value at the requested pixels.
+Recorded runs overrule the fit: an ok run at the very size is a measurement, an out-of-memory
+run at no more pixels under no larger budget says the set does not fit.
+
+The trade-off: a line through a few sizes is cheap and usually right within the range it was
+measured in, and increasingly wrong beyond it (allocator rounding, cuDNN choosing other
+algorithms, a technique whose memory is not linear in pixels). So every prediction says how
+it was obtained: `measured`, `interpolated` between two measured sizes, or `extrapolated`
+with the pixel ratio beyond the nearest measured size, plus the fit's relative error at the
+sizes it was fitted on. Predictions are stored (table `predictions`); `advise --check` sets
+each beside the runs recorded after it, and `--confirm` runs the top candidate to make one.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from memstudy.bytesize import mb, parse_bytes
+from memstudy.errors import ConfigError
+from memstudy.maxres import fit_line
+from memstudy.report.data import TRAIN_PHASES, device_of, load_runs, open_db
+from memstudy.report.decide import candidates, contexts, missing_context, quality_cost
+from memstudy.sizes import parse_size, size_hw, size_label
+from memstudy.store import ResultsDB
+from memstudy.table_format import format_table
+
+CONFIRM_LABEL = "advise confirm"
+
+
+@dataclass
+class Prediction:
+    name: str
+    peak_bytes: float
+    step_time_s: float | None
+    phase: str  # the phase whose peak is largest at the requested size
+    confidence: str
+    fit_error: float | None  # largest relative residual of the peak fit at its own sizes
+    fits: bool
+    why_not: str | None = None  # a recorded run that overrules the fit
+    val_loss_delta: float | None = None
+    quality_at: Any = None
+    template: dict[str, Any] = field(default_factory=dict)  # config of the set's largest run
+    phase_fits: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def current_gpu() -> str | None:
+    """This machine's first GPU by NVML, or None (no GPU, no driver)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return name.decode() if isinstance(name, bytes) else name
+    except Exception:  # noqa: BLE001 (any NVML failure means: no GPU to name)
+        return None
+
+
+def choose_gpu(runs: list[dict], wanted: str | None) -> str:
+    """The device whose runs advise reads: --gpu (a case-insensitive part of its name), else
+    this machine's GPU if the database has runs on it, else the database's only device."""
+    devices = sorted({device_of(r) for r in runs})
+    if not devices:
+        raise ConfigError("the results database holds no runs; record some first "
+                          "(memstudy grid, memstudy maxres) or pass another --db")
+    if wanted:
+        match = [d for d in devices if wanted.lower() in d.lower()]
+        if len(match) != 1:
+            what = "no runs on" if not match else "several devices match"
+            raise ConfigError(f"--gpu {wanted!r}: {what} it in this database; choose one of "
+                              f"{devices}")
+        return match[0]
+    here = current_gpu()
+    if here in devices:
+        return here
+    if len(devices) == 1:
+        return devices[0]
+    raise ConfigError(f"the database holds runs of several devices {devices}; choose one with "
+                      "--gpu NAME")
+
+
+def predict_all(db, budget: str, size, batch_size: int = 1, gpu: str | None = None
+                ) -> tuple[str, list[Prediction], list[tuple[str, str]]]:
+    """(device, predictions ranked: fitting sets fastest first, then the others by peak,
+    [(set, why it has no prediction)])."""
+    limit = parse_bytes(budget, "--budget")
+    size = parse_size(size, "--size")
+    hw = size_hw(size)
+    if hw is None:
+        raise ConfigError("advise needs a size in pixels (4188 or 4188x3500), not 'native'")
+    pixels = hw[0] * hw[1]
+    runs = load_runs(db, probes=True)
+    device = choose_gpu(runs, gpu)
+    context_by_gpu = contexts(runs)
+    mine = [r for r in runs if device_of(r) == device and r["world_size"] == 1
+            and r["batch_size"] == batch_size]
+    if not mine:
+        raise ConfigError(f"no single-device runs at batch size {batch_size} on {device}; "
+                          "record some or change --batch-size")
+    cands = [c for c in candidates(db) if c["device"] == device]
+    by_set: dict[str, list[dict]] = defaultdict(list)
+    for run in mine:
+        by_set[run["name"]].append(run)
+    predictions, skipped = [], []
+    for name, set_runs in sorted(by_set.items()):
+        try:
+            p = predict_set(name, set_runs, pixels, size, limit, context_by_gpu.get(device, 0.0))
+        except NoFit as exc:
+            skipped.append((name, str(exc)))
+            continue
+        p.val_loss_delta, _std, p.quality_at = quality_cost(cands, name, device, size)
+        predictions.append(p)
+    predictions.sort(key=lambda p: (not p.fits, p.step_time_s if p.fits and p.step_time_s
+                                    is not None else math.inf, p.peak_bytes))
+    return device, predictions, skipped
+
+
+class NoFit(Exception):
+    """A set with too few measured sizes for a prediction."""
+
+
+def _pixels(run) -> int:
+    h, w = size_hw(run["image_size"])
+    return h * w
+
+
+def predict_set(name: str, runs: list[dict], pixels: int, size, limit: int,
+                context: float) -> Prediction:
+    ok = [r for r in runs if r["status"] == "ok" and r["peaks"]]
+    by_px: dict[int, list[dict]] = defaultdict(list)
+    for r in ok:
+        if size_hw(r["image_size"]) is not None:
+            by_px[_pixels(r)].append(r)
+    if len(by_px) < 2:
+        raise NoFit(f"measured at {len(by_px)} size(s); a prediction needs two")
+    xs = sorted(by_px)
+    fits, worst = {}, (0.0 if len(xs) > 2 else None)  # a line through two points: no check
+    for phase in TRAIN_PHASES:
+        peaks = [max(_abs(r, phase, context) for r in by_px[px]) for px in xs]
+        if None in peaks:
+            continue
+        fits[phase] = fit_line([math.sqrt(px) for px in xs], peaks)  # a + b * side**2 = pixels
+        if worst is not None:
+            worst = max(worst, max(abs(fits[phase][0] + fits[phase][1] * px - y) / y
+                                   for px, y in zip(xs, peaks)))
+    if not fits:
+        raise NoFit("its runs recorded no per-phase peak")
+    phase = max(fits, key=lambda p: fits[p][0] + fits[p][1] * pixels)
+    peak = fits[phase][0] + fits[phase][1] * pixels
+    steps = [(px, _median([r["metrics"].get("run", {}).get("step_time_s") for r in by_px[px]]))
+             for px in xs]
+    steps = [(px, s) for px, s in steps if s is not None]
+    step = None
+    if len(steps) >= 2:
+        a, b = fit_line([math.sqrt(px) for px, _ in steps], [s for _, s in steps])
+        step = max(a + b * pixels, 0.0) or None
+    exact = by_px.get(pixels, [])
+    if exact:  # a measurement at the very size beats the line
+        peak = max(max(r["peaks"].values()) + missing_context(r, context) for r in exact)
+        step = _median([r["metrics"].get("run", {}).get("step_time_s") for r in exact]) or step
+    pred = Prediction(name, peak, step, phase, _confidence(xs, pixels, bool(exact)), worst,
+                      peak <= limit, template=max(ok, key=_pixels)["config"], phase_fits=fits)
+    pred.why_not = _recorded_oom(runs, pixels, limit)
+    if pred.why_not:
+        pred.fits = False
+    return pred
+
+
+def _abs(run: dict, phase: str, context: float) -> float | None:
+    peak = run["peaks"].get(phase)
+    return None if peak is None else peak + missing_context(run, context)
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = sorted(v for v in values if v is not None)
+    return present[len(present) // 2] if present else None
+
+
+def _confidence(measured_px: list[int], pixels: int, exact: bool) -> str:
+    side = lambda px: round(math.sqrt(px))  # noqa: E731 (a square of those pixels)
+    if exact:
+        return "measured"
+    lo, hi = measured_px[0], measured_px[-1]
+    if lo < pixels < hi:
+        below = max(px for px in measured_px if px < pixels)
+        above = min(px for px in measured_px if px > pixels)
+        return f"interpolated {side(below)}-{side(above)} px"
+    near = hi if pixels > hi else lo
+    ratio = pixels / near
+    return f"extrapolated {ratio:.1f}x the pixels of {side(near)} px"
+
+
+def _recorded_oom(runs: list[dict], pixels: int, limit: int) -> str | None:
+    """An out-of-memory run at no more pixels under no larger budget: the set does not fit."""
+    for r in runs:
+        budget = r["config"].get("budget")
+        if (r["status"] == "oom" and budget is not None and size_hw(r["image_size"])
+                and _pixels(r) <= pixels and parse_bytes(budget) >= limit):
+            return f"recorded oom in {r['failed_phase']} at {size_label(r['image_size'])} px under {budget}"
+    return None
+
+
+def needs(p: Prediction, pixels: int, limit: int) -> str:
+    """What the closest set would need: a budget, or the largest square under this one."""
+    sides = []
+    for a, b in p.phase_fits.values():
+        if b > 0:
+            sides.append(math.sqrt(max(limit - a, 0) / b))
+    side = int(min(sides)) if sides else None
+    if p.why_not or p.peak_bytes <= limit:  # a recorded run overrules the line
+        return "more than this budget, which a recorded run already exceeded"
+    fit_side = f", or a size of at most ~{side} px (square) under this budget" if side else ""
+    return f"a budget of at least {_gib(p.peak_bytes)}{fit_side}"
+
+
+def _gib(nbytes: float) -> str:
+    return f"{math.ceil(nbytes / 1024**3 * 10) / 10:g}GiB"
+
+
+def refuse_if_none_fits(device: str, size, budget: str, preds: list[Prediction]) -> None:
+    if any(p.fits for p in preds):
+        return
+    if not preds:
+        raise ConfigError(f"no technique set on {device} was measured at two sizes; record "
+                          "more runs (memstudy grid, memstudy maxres) before asking advise")
+    limit = parse_bytes(budget, "--budget")
+    h, w = size_hw(parse_size(size))
+    # the set a recorded run does not already rule out, else any
+    closest = min(preds, key=lambda p: (p.why_not is not None, p.peak_bytes))
+    why = f" ({closest.why_not})" if closest.why_not else ""
+    raise ConfigError(f"no technique set is predicted to fit {size_label(parse_size(size))} px "
+                      f"under {budget} on {device}: the closest is {closest.name}, predicted "
+                      f"peak {mb(closest.peak_bytes):.0f} MB{why}; it would need "
+                      f"{needs(closest, h * w, limit)}")
+
+
+def table(preds: list[Prediction], limit: int) -> str:
+    rows = [[rank + 1 if p.fits else "-", p.name, f"{mb(p.peak_bytes):.0f}",
+             f"{p.peak_bytes / limit:.0%}", p.step_time_s, _delta(p), p.confidence,
+             f"{p.fit_error:.0%}" if p.fit_error is not None else "-", p.phase,
+             "yes" if p.fits else f"no{': ' + p.why_not if p.why_not else ''}"]
+            for rank, p in enumerate(preds)]
+    return format_table(["rank", "techniques", "peak MB", "of budget", "step s",
+                         "val loss - original", "confidence", "fit error", "binding phase",
+                         "fits"], rows)
+
+
+def _delta(p: Prediction) -> str:
+    if p.val_loss_delta is None:
+        return "-"
+    return f"{p.val_loss_delta:+.4f}" + (f" (at {p.quality_at} px)" if p.quality_at else "")
+
+
+def store(db_path: str | Path, device: str, size, budget: str, batch_size: int,
+          preds: list[Prediction]) -> float:
+    """Record the predictions; returns their timestamp (runs finished after it check them)."""
+    now = time.time()
+    ResultsDB(db_path).add_predictions([
+        {"created_at": now, "gpu_name": device, "name": p.name,
+         "image_size": size_label(parse_size(size)), "batch_size": batch_size, "budget": budget,
+         "budget_bytes": parse_bytes(budget), "fits": int(p.fits), "peak_bytes": p.peak_bytes,
+         "step_time_s": p.step_time_s, "confidence": p.confidence} for p in preds])
+    return now
+
+
+def confirm_config(p: Prediction, size, budget: str):
+    """The top candidate's run: its largest recorded run's settings at the requested size,
+    under the budget, labelled so reports can tell it apart."""
+    from memstudy.config import from_dict
+
+    raw = copy.deepcopy(p.template)
+    raw["train"]["image_size"] = parse_size(size)
+    raw["budget"], raw["label"] = budget, CONFIRM_LABEL
+    return from_dict(raw)
+
+
+def confirm(db_path: str | Path, p: Prediction, size, budget: str,
+            progress: Callable[[str], None]) -> str:
+    """Run the candidate in its own process (the grid's run path) and return its outcome."""
+    from memstudy.grid import run_isolated
+
+    cfg = confirm_config(p, size, budget)
+    progress(f"confirming {p.name} at {size_label(parse_size(size))} px under {budget}")
+    return run_isolated(cfg, db_path)
+
+
+def check(db) -> list[dict[str, Any]]:
+    """Each stored prediction beside the runs of its set, size and GPU recorded after it: the
+    measured peak and step time, their relative errors, and whether the fit call was right
+    (a run under no larger budget that ended ok or oom)."""
+    db = open_db(db)
+    try:
+        preds = db.query("SELECT * FROM predictions ORDER BY id")
+    except Exception:  # noqa: BLE001 (sqlite3.OperationalError: no advise has run here)
+        return []
+    runs = load_runs(db, probes=True)
+    context_by_gpu = contexts(runs)
+    rows = []
+    for p in preds:
+        size = parse_size(p["image_size"])
+        later = [r for r in runs if r["name"] == p["name"] and r["image_size"] == size
+                 and device_of(r) == p["gpu_name"] and r["batch_size"] == p["batch_size"]
+                 and r["finished_at"] > p["created_at"]]
+        if later:
+            rows.append(_checked(p, later[-1], context_by_gpu.get(p["gpu_name"], 0.0)))
+    return rows
+
+
+def _checked(p: dict, run: dict, context: float) -> dict[str, Any]:
+    peak = max(run["peaks"].values()) + missing_context(run, context) if run["peaks"] else None
+    step = run["metrics"].get("run", {}).get("step_time_s")
+    budget = run["config"].get("budget")
+    judged = budget is not None and parse_bytes(budget) <= p["budget_bytes"] and run["status"] in ("ok", "oom")
+    return {"name": p["name"], "size": p["image_size"], "budget": p["budget"],
+            "gpu": p["gpu_name"], "confidence": p["confidence"], "run": run["id"],
+            "status": run["status"], "predicted_mb": mb(p["peak_bytes"]), "measured_mb": mb(peak),
+            "peak_error": _rel(p["peak_bytes"], peak), "predicted_s": p["step_time_s"],
+            "measured_s": step, "step_error": _rel(p["step_time_s"], step),
+            "fit_call": ("right" if bool(p["fits"]) == (run["status"] == "ok") else "wrong")
+            if judged else "-"}
+
+
+def _rel(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return predicted / measured - 1
+
+
+def check_table(rows: list[dict[str, Any]]) -> str:
+    pct = lambda v: "-" if v is None else f"{v:+.1%}"  # noqa: E731
+    return format_table(
+        ["techniques", "px", "budget", "confidence", "run", "status", "predicted MB",
+         "measured MB", "peak error", "predicted s", "measured s", "step error", "fit call"],
+        [[r["name"], r["size"], r["budget"], r["confidence"], r["run"], r["status"],
+          r["predicted_mb"], r["measured_mb"], pct(r["peak_error"]), r["predicted_s"],
+          r["measured_s"], pct(r["step_error"]), r["fit_call"]] for r in rows])
+
+
+def describe(device: str, size, budget: str, preds: list[Prediction]) -> str:
+    limit = parse_bytes(budget, "--budget")
+    head = (f"{size_label(parse_size(size))} px under {budget} on {device}: "
+            f"{sum(p.fits for p in preds)} of {len(preds)} technique sets predicted to fit "
+            "(fastest first; peaks include the CUDA context)")
+    return head + "\n" + table(preds, limit)
+
+
+__all__ = ["Prediction", "check", "check_table", "choose_gpu", "confirm", "describe",
+           "predict_all", "refuse_if_none_fits", "store"]

@@ -1,0 +1,304 @@
+"""The report's decision section: which technique set to use for a size and a memory budget.
+
+From every recorded run (maxres probes included: they are real runs under a budget) it builds
+one *candidate* per protocol: the runs of one configuration that differ only in their seed
+(and label). A candidate carries the mean and spread over its seeds (mean, std, n) of the step
+time and the final validation loss, and the largest absolute peak over its seeds: what a budget
+caps, so the worst seed decides whether a set fits.
+
+The trade-off this section makes explicit: a budget only caps *absolute* memory, the CUDA
+context included, while the study's tables show each phase's *increment* above its start. A
+run recorded without a budget never measured its context; its absolute peak here adds the
+median context the same GPU measured in the database's budgeted runs (marked `context
+estimated`), rather than pretending a context of zero, which would call too many sets fitting.
+
+Tables (rows are dicts; docs/report.md defines each column):
+    decisions(db, budgets)   per device, budget and size: the fastest set that fits, its step
+                             time and quality cost against original
+    pareto(db)               per device and size: peak against step time, Pareto-optimal marked
+    phase_categories(db)     per set, size and phase: memory held at the phase end by category
+    phase_peaks(db)          per set and size: each phase's increment beside its absolute peak
+Torch-free, like the rest of memstudy.report.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from statistics import median
+from typing import Any
+
+from memstudy.bytesize import mb, parse_bytes
+from memstudy.report.data import (TRAIN_PHASES, device_of, load_maxres, load_runs, open_db,
+                                  phase_peak)
+from memstudy.report.tables import spread
+from memstudy.sizes import size_hw, size_sort_key
+
+Rows = list[dict[str, Any]]
+BASELINE = "original"
+# the categories of docs/metrics.md, in stacking order (what every phase holds at its end)
+CATEGORIES = (("cat_params_bytes", "parameters"), ("cat_grads_bytes", "gradients"),
+              ("cat_optimizer_bytes", "optimizer state"), ("cat_saved_bytes", "saved activations"),
+              ("cat_loss_saved_bytes", "saved by the loss"), ("cat_other_bytes", "other"))
+
+
+def _protocol(run: dict[str, Any]) -> str:
+    """The run's configuration without its seed and label: runs sharing it are seeds of one
+    protocol."""
+    config = json.loads(json.dumps(run["config"]))
+    config.pop("label", None)
+    for table in ("train", "data"):
+        config.get(table, {}).pop("seed", None)
+    return json.dumps(config, sort_keys=True)
+
+
+def contexts(runs: Rows) -> dict[str, float]:
+    """Median CUDA context (bytes) per GPU over the runs that measured it (budgeted runs)."""
+    seen: dict[str, list[float]] = defaultdict(list)
+    for run in runs:
+        if run["env"].get("cuda_context_bytes"):
+            seen[device_of(run)].append(run["env"]["cuda_context_bytes"])
+    return {gpu: median(values) for gpu, values in seen.items()}
+
+
+def missing_context(run: dict[str, Any], context: float) -> float:
+    """What to add to a run's peaks to make them absolute: `context` (the GPU's measured CUDA
+    context) for a CUDA run that did not measure its own, else 0."""
+    cuda = any("alloc_peak_bytes" in run["metrics"].get(p, {}) for p in TRAIN_PHASES)
+    return context if cuda and not run["env"].get("cuda_context_bytes") else 0.0
+
+
+def absolute_peak(run: dict[str, Any], context_by_gpu: dict[str, float]) -> tuple[float | None, bool]:
+    """(the run's absolute peak, whether its context was estimated): allocator + context on a
+    GPU, live tensor bytes on the CPU (report.data.absolute_phase_peaks)."""
+    peak = max(run["peaks"].values(), default=None)
+    added = missing_context(run, context_by_gpu.get(device_of(run), 0.0))
+    return (None, False) if peak is None else (peak + added, added > 0)
+
+
+def candidates(db) -> Rows:
+    """One row per protocol (see the module docstring) with at least one run."""
+    runs = load_runs(db, probes=True)
+    context_by_gpu = contexts(runs)
+    groups: dict[str, Rows] = defaultdict(list)
+    for run in runs:
+        groups[_protocol(run)].append(run)
+    return [_candidate(group, context_by_gpu) for group in groups.values()]
+
+
+def _candidate(runs: Rows, context_by_gpu: dict[str, float]) -> dict[str, Any]:
+    first, ok = runs[0], [r for r in runs if r["status"] == "ok"]
+    peaks = [absolute_peak(r, context_by_gpu) for r in ok]
+    step = spread([r["metrics"].get("run", {}).get("step_time_s") for r in ok])
+    val = spread([(r["last_epoch"] or {}).get("val_loss") for r in ok])
+    failed = [r for r in runs if r["status"] != "ok"]
+    return {"name": first["name"], "image_size": first["image_size"],
+            "batch_size": first["batch_size"], "world_size": first["world_size"],
+            "device": device_of(first), "techniques": first["config"].get("techniques", []),
+            "budget": first["config"].get("budget"), "label": first["label"] or "-",
+            "ok": len(ok), "runs": len(runs),
+            "failed": (failed[-1]["status"] + (f" in {failed[-1]['failed_phase']}"
+                                               if failed[-1]["failed_phase"] else "")) if failed else None,
+            "peak_bytes": max((p for p, _e in peaks if p is not None), default=None),
+            "context_estimated": any(e for _p, e in peaks),
+            "step_time_s": step[0], "step_time_s_std": step[1], "step_n": step[2],
+            "val_loss": val[0], "val_loss_std": val[1], "val_n": val[2],
+            "epochs": max(((r["last_epoch"] or {}).get("epoch", -1) + 1 for r in ok), default=0),
+            "config": first["config"], "pixels": _pixels(first["image_size"])}
+
+
+def _pixels(size) -> int | None:
+    hw = size_hw(size)
+    return hw[0] * hw[1] if hw else None
+
+
+def budgets_found(db, extra: list[str] = ()) -> list[int]:
+    """Budgets (bytes) of the database's runs and maxres searches, and those given, sorted."""
+    db = open_db(db)
+    found = {parse_bytes(b, "budget") for b in extra}
+    for run in load_runs(db, probes=True):
+        if run["config"].get("budget") is not None:
+            found.add(parse_bytes(run["config"]["budget"], "budget"))
+    found |= {int(r["budget_bytes"]) for r in load_maxres(db)}
+    return sorted(found)
+
+
+def quality_cost(cands: Rows, name: str, device: str, size) -> tuple[float | None, float | None, Any]:
+    """(val loss of `name` minus original's, its std, the size compared at): at `size` when both
+    were validated there, else at the largest size where both were."""
+    def validated(set_name: str) -> dict:
+        return {c["image_size"]: c for c in cands if c["name"] == set_name
+                and c["device"] == device and c["val_loss"] is not None}
+
+    ours, base = validated(name), validated(BASELINE)
+    common = sorted(set(ours) & set(base), key=size_sort_key)
+    if not common:
+        return None, None, None
+    at = size if size in common else common[-1]
+    a, b = ours[at], base[at]
+    stds = [s for s in (a["val_loss_std"], b["val_loss_std"]) if s is not None]
+    return a["val_loss"] - b["val_loss"], (sum(s * s for s in stds) ** 0.5 if stds else None), at
+
+
+def decisions(db, budgets: list[int] | None = None) -> Rows:
+    """Per device, budget and size: the fastest ok candidate whose absolute peak fits, its
+    step time over original's at that size (the fastest ok original there, any memory) and its
+    quality cost (quality_cost). A size where nothing fits names the smallest peak seen."""
+    cands = [c for c in candidates(db) if c["world_size"] == 1]
+    budgets = budgets if budgets is not None else budgets_found(db)
+    rows = []
+    for (device, size), group in _by(cands, "device", "image_size").items():
+        ok = [c for c in group if c["ok"] and c["peak_bytes"] is not None and c["step_time_s"]]
+        base = min((c for c in ok if c["name"] == BASELINE), key=lambda c: c["step_time_s"],
+                   default=None)
+        if not ok:
+            continue  # only failed runs at this size: nothing to decide between
+        for budget in budgets:
+            rows.append(_decision(cands, ok, base, device, size, budget))
+    return sorted(rows, key=lambda r: (r["device"], r["budget_bytes"], size_sort_key(r["image_size"])))
+
+
+def _decision(cands, ok, base, device, size, budget) -> dict[str, Any]:
+    fitting = [c for c in ok if c["peak_bytes"] <= budget]
+    row = {"device": device, "budget_bytes": budget, "budget": _gib(budget), "image_size": size,
+           "fits": f"{len({c['name'] for c in fitting})}/{len({c['name'] for c in ok})}"}
+    if not fitting:
+        closest = min(ok, key=lambda c: c["peak_bytes"])
+        row.update(name="(none fits)", note=f"smallest peak {mb(closest['peak_bytes']):.0f} MB: "
+                   f"{closest['name']}")
+        return row
+    best = min(fitting, key=lambda c: (c["step_time_s"], c["peak_bytes"]))
+    delta, delta_std, at = quality_cost(cands, best["name"], device, size)
+    row.update(name=best["name"], peak_mb=mb(best["peak_bytes"]),
+               step_time_s=best["step_time_s"], step_time_s_std=best["step_time_s_std"],
+               runs=best["ok"], val_loss_delta=delta, val_loss_delta_std=delta_std,
+               note=_note(best, base, at, size))
+    if base is not None:
+        row["time_vs_original"] = best["step_time_s"] / base["step_time_s"]
+    return row
+
+
+def _note(best, base, quality_at, size) -> str:
+    notes = []
+    if base is None:
+        notes.append("original not measured ok at this size")
+    if quality_at is not None and quality_at != size:
+        notes.append(f"quality at {quality_at} px")
+    if best["context_estimated"]:
+        notes.append("context estimated")
+    return "; ".join(notes)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 1024**3:g}GiB" if nbytes % (1024**2) == 0 else str(nbytes)
+
+
+def _by(rows: Rows, *keys: str) -> dict[tuple, Rows]:
+    out: dict[tuple, Rows] = defaultdict(list)
+    for row in rows:
+        out[tuple(row[k] for k in keys)].append(row)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][0], size_sort_key(kv[0][1]))))
+
+
+def pareto(db) -> Rows:
+    """Per device and size, every finished single-device candidate with its absolute peak,
+    step time and validation loss; `pareto` marks those no other candidate beats on both peak
+    and step time (smaller is better on each)."""
+    rows = []
+    for (_device, _size), group in _by(candidates(db), "device", "image_size").items():
+        ok = [c for c in group if c["ok"] and c["peak_bytes"] and c["step_time_s"]
+              and c["world_size"] == 1]
+        for c in ok:
+            dominated = any(o is not c and o["peak_bytes"] <= c["peak_bytes"]
+                            and o["step_time_s"] <= c["step_time_s"]
+                            and (o["peak_bytes"], o["step_time_s"]) != (c["peak_bytes"], c["step_time_s"])
+                            for o in ok)
+            rows.append({k: c[k] for k in ("name", "image_size", "batch_size", "device",
+                                           "step_time_s", "step_time_s_std", "val_loss",
+                                           "val_loss_std", "budget", "label")}
+                        | {"peak_mb": mb(c["peak_bytes"]), "runs": c["ok"],
+                           "pareto": "" if dominated else "*"})
+    return sorted(rows, key=lambda r: (r["device"], size_sort_key(r["image_size"]),
+                                       r["peak_mb"], r["step_time_s"]))
+
+
+def _phase_groups(db) -> dict[tuple, Rows]:
+    """Finished single-device runs (maxres probes left out) by protocol: seeds together."""
+    groups: dict[str, Rows] = defaultdict(list)
+    for run in load_runs(db):
+        if run["status"] == "ok" and run["world_size"] == 1:
+            groups[_protocol(run)].append(run)
+    return {(r[0]["name"], r[0]["image_size"], r[0]["batch_size"], device_of(r[0]),
+             r[0]["label"] or "-"): r for r in groups.values()}
+
+
+def phase_categories(db) -> Rows:
+    """Per set, size and phase: MB held at the phase end in each category (mean over the
+    group's runs; docs/metrics.md), their sum, and the phase's absolute peak beside them."""
+    rows = []
+    for (name, size, batch, device, label), runs in _phase_groups(db).items():
+        for phase in TRAIN_PHASES:
+            cats = [r["metrics"].get(phase, {}) for r in runs]
+            if not any("cat_params_bytes" in m for m in cats):
+                continue
+            row = {"name": name, "image_size": size, "batch_size": batch, "device": device,
+                   "label": label, "phase": phase, "runs": len(runs)}
+            for key, _label in CATEGORIES:
+                row[key] = mb(spread([m.get(key) for m in cats])[0])
+            row["held_mb"] = sum(row[k] or 0.0 for k, _l in CATEGORIES)
+            row["peak_abs_mb"] = mb(spread([r["peaks"].get(phase) for r in runs])[0])
+            rows.append(row)
+    return sorted(rows, key=_row_order)
+
+
+def phase_peaks(db) -> Rows:
+    """Per set and size: each phase's increment above its start (the study's figure) beside
+    its absolute peak (what a budget caps), mean over seeds with their spread."""
+    rows = []
+    for (name, size, batch, device, label), runs in _phase_groups(db).items():
+        row = {"name": name, "image_size": size, "batch_size": batch, "device": device,
+               "label": label, "runs": len(runs)}
+        for phase in TRAIN_PHASES:
+            inc = spread([mb(phase_peak(r["metrics"].get(phase, {}))) for r in runs])
+            absolute = spread([mb(r["peaks"].get(phase)) for r in runs])
+            row[f"{phase}_inc_mb"], row[f"{phase}_inc_mb_std"] = inc[0], inc[1]
+            row[f"{phase}_abs_mb"], row[f"{phase}_abs_mb_std"] = absolute[0], absolute[1]
+        rows.append(row)
+    return sorted(rows, key=_row_order)
+
+
+def _row_order(row: dict[str, Any]) -> tuple:
+    phase = TRAIN_PHASES.index(row["phase"]) if "phase" in row else 0
+    return (row["device"], size_sort_key(row["image_size"]), row["name"] != BASELINE,
+            row["name"], row.get("label", ""), phase)
+
+
+COLUMNS = {
+    "decisions": [("device", "device"), ("budget", "budget"), ("image_size", "px"),
+                  ("name", "best techniques"), ("peak_mb", "peak MB"),
+                  ("step_time_s", "step s"), ("time_vs_original", "time x original"),
+                  ("val_loss_delta", "val loss - original"), ("fits", "sets fitting"),
+                  ("runs", "n"), ("note", "note")],
+    "pareto": [("device", "device"), ("image_size", "px"), ("name", "techniques"),
+               ("peak_mb", "peak MB"), ("step_time_s", "step s"), ("val_loss", "val loss"),
+               ("runs", "n"), ("budget", "run budget"), ("label", "label"), ("pareto", "Pareto")],
+    "phase_categories": [("name", "techniques"), ("image_size", "px"), ("device", "device"),
+                         ("label", "label"), ("phase", "phase")]
+                        + [(k, f"{label} MB") for k, label in CATEGORIES]
+                        + [("held_mb", "held MB"), ("peak_abs_mb", "peak abs MB"), ("runs", "n")],
+    "phase_peaks": [("name", "techniques"), ("image_size", "px"), ("batch_size", "batch"),
+                    ("device", "device"), ("label", "label")]
+                   + [(f"{p}_{kind}_mb", f"{p.capitalize()} {label} MB") for p in TRAIN_PHASES
+                      for kind, label in (("inc", "+"), ("abs", "abs"))] + [("runs", "n")],
+}
+TITLES = {
+    "decisions": "Best technique set per budget and size: the fastest finished set whose "
+                 "absolute peak fits (CUDA context included), against original",
+    "pareto": "Peak memory against step time per size (Pareto = no set is both smaller and "
+              "faster); validation loss beside",
+    "phase_categories": "Memory held at each phase's end by category (MB), beside the "
+                        "phase's absolute peak",
+    "phase_peaks": "Per-phase peak: the study's increment above the phase start (+) beside "
+                   "the absolute peak (abs)",
+}
+TABLES = {"decisions": decisions, "pareto": pareto, "phase_categories": phase_categories,
+          "phase_peaks": phase_peaks}

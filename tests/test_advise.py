@@ -1,0 +1,129 @@
+"""memstudy advise: predictions from recorded runs, ranked; refusals; checks; --confirm."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from memstudy import advise
+from memstudy.cli import main
+from memstudy.store import ResultsDB
+from test_report_decide import GPU, db, gpu_run  # noqa: F401 (db: the fixture database)
+
+MB = 1024**2
+
+
+def ranked(db, budget, size, **kw):  # noqa: F811
+    _device, preds, skipped = advise.predict_all(db, budget, size, **kw)
+    return preds, dict(skipped)
+
+
+def test_ranks_the_fitting_sets_fastest_first(db):  # noqa: F811
+    preds, skipped = ranked(db, "4GiB", 768)
+    assert [p.name for p in preds] == ["amp", "checkpoint"] and all(p.fits for p in preds)
+    amp = preds[0]
+    # absolute forward peaks 1200 MB at 512 px and 2400 MB at 1024 px (context included):
+    # linear in pixels, 768 px lies 5/12 of the way
+    assert amp.peak_bytes / MB == pytest.approx(1200 + 1200 * (768**2 - 512**2) / (1024**2 - 512**2))
+    assert amp.step_time_s == pytest.approx(0.06 + 0.14 * 5 / 12)
+    assert amp.confidence == "interpolated 512-1024 px" and amp.phase == "forward"
+    assert amp.val_loss_delta == pytest.approx(0.01) and amp.quality_at == 512
+    assert "original" in skipped and "two" in skipped["original"]  # only 512 px finished
+
+
+def test_a_tighter_budget_changes_the_ranking(db):  # noqa: F811
+    preds, _ = ranked(db, "1.5GiB", 768)
+    assert [(p.name, p.fits) for p in preds] == [("checkpoint", True), ("amp", False)]
+
+
+def test_recorded_runs_overrule_the_line(db):  # noqa: F811
+    preds, _ = ranked(db, "2GiB", 1024)
+    ckpt = next(p for p in preds if p.name == "checkpoint")
+    assert ckpt.confidence == "measured" and ckpt.peak_bytes == 1600 * MB
+    far = next(p for p in ranked(db, "8GiB", 2048)[0] if p.name == "amp")
+    assert far.confidence == "extrapolated 4.0x the pixels of 1024 px"
+
+
+def test_an_impossible_budget_is_refused_naming_the_closest(db, capsys):  # noqa: F811
+    assert main(["--db", str(db.path), "advise", "--budget", "1GiB", "--size", "2048x1024"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("memstudy: error: no technique set is predicted to fit 2048x1024 px")
+    assert "closest is checkpoint" in err and "a budget of at least" in err and "px (square)" in err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu", "H100"], "--gpu 'H100': no runs on it"),
+    (["--size", "native"], "not 'native'"),
+    (["--budget", "lots"], "not a byte size"),
+    (["--batch-size", "4"], "no single-device runs at batch size 4"),
+])
+def test_bad_input_is_one_line(db, capsys, argv, message):  # noqa: F811
+    args = {"--budget": "4GiB", "--size": "768"}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        args[flag] = value
+    flat = [x for kv in args.items() for x in kv]
+    assert main(["--db", str(db.path), "advise", *flat]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_several_gpus_need_a_choice(db, capsys):  # noqa: F811
+    db.record  # noqa: B018
+    from memstudy.store import RunRecord
+    db.record(RunRecord(config={"train": {"image_size": 512, "batch_size": 1}, "world_size": 1},
+                        config_hash="other", name="original", status="ok",
+                        env={"device": "cuda:0", "gpu_name": "Other GPU"}, started_at=0.0))
+    assert main(["--db", str(db.path), "advise", "--budget", "4GiB", "--size", "768"]) == 2
+    assert "several devices" in capsys.readouterr().err
+    assert main(["--db", str(db.path), "advise", "--budget", "4GiB", "--size", "768",
+                 "--gpu", "test gpu"]) == 0
+
+
+def test_predictions_are_stored_and_checked_against_later_runs(db, capsys):  # noqa: F811
+    assert main(["--db", str(db.path), "advise", "--budget", "4GiB", "--size", "768"]) == 0
+    assert "1  " in capsys.readouterr().out
+    assert advise.check(db) == []  # nothing measured after it yet
+    time.sleep(0.01)
+    gpu_run(db, "amp", 768, 1500, 0.10, budget="4GiB")  # measured: 300 + 1500 + 500 = 2300 MB
+    (row,) = advise.check(db)
+    assert row["name"] == "amp" and row["measured_mb"] == pytest.approx(2300)
+    assert row["peak_error"] == pytest.approx(1700 / 2300 - 1)
+    assert row["fit_call"] == "right"
+    assert main(["--db", str(db.path), "advise", "--check"]) == 0
+    assert "-26.1%" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_confirm_runs_the_top_candidate_and_records_it(tmp_path, make_config, capsys):
+    """The fit comes from two recorded CPU runs (tensor-meter figures written through the
+    store, their configs real); --confirm then trains the third size for real."""
+    from memstudy.store import RunRecord
+
+    db = ResultsDB(tmp_path / "cpu.sqlite")
+    for size, peak_mb in ((192, 300), (256, 400)):
+        cfg = make_config(size=size)
+        cfg.train.validate = False
+        metrics = [(0, phase, key, value) for phase in ("forward", "backward", "step")
+                   for key, value in (("tensor_start_bytes", 200 * MB),
+                                      ("tensor_peak_bytes", peak_mb * MB))]
+        db.record(RunRecord(config=cfg.to_dict(), config_hash=f"fit{size}", name="original",
+                            status="ok", env={"device": "cpu"}, started_at=0.0,
+                            metrics=metrics + [(0, "run", "step_time_s", size / 100)]))
+    assert main(["--db", str(db.path), "advise", "--budget", "4GiB", "--size", "224",
+                 "--confirm"]) == 0
+    out = capsys.readouterr().out
+    assert "confirmed original: ok" in out and "interpolated 192-256 px" in out
+    (confirmed,) = [r for r in db.runs() if r["label"] == advise.CONFIRM_LABEL]
+    assert confirmed["image_size"] == 224 and confirmed["status"] == "ok"
+    (row,) = advise.check(db)
+    assert row["run"] == confirmed["id"] and row["measured_mb"] > 0 and row["fit_call"] == "right"
+
+
+def test_a_recorded_out_of_memory_run_overrules_a_fitting_line(db):  # noqa: F811
+    gpu_run(db, "amp", 896, 0, 0, budget="4GiB", status="oom")
+    amp = next(p for p in ranked(db, "4GiB", 960)[0] if p.name == "amp")
+    assert amp.peak_bytes < 4096 * MB and not amp.fits
+    assert amp.why_not == "recorded oom in forward at 896 px under 4GiB"
+    assert next(p for p in ranked(db, "4GiB", 768)[0] if p.name == "amp").fits  # fewer pixels
+    assert next(p for p in ranked(db, "8GiB", 960)[0] if p.name == "amp").fits  # larger budget

@@ -1,0 +1,54 @@
+"""benchmarks/bench_paper.py: the study's tables beside its published values, with the
+seed-spread flag, from a small database built with the store API."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import bench_paper  # noqa: E402
+
+from memstudy.grid import expand, load_spec  # noqa: E402
+from memstudy.store import ResultsDB, RunRecord  # noqa: E402
+
+MB = 1024**2
+
+
+def paper_run(db, name: str, seed: int, val: float, fwd_mb: float = 500) -> None:
+    metrics = [(0, phase, key, value) for phase, inc in (("forward", fwd_mb), ("backward", 100))
+               for key, value in (("alloc_peak_bytes", inc * MB), ("alloc_start_bytes", 300 * MB))]
+    db.record(RunRecord(
+        config={"train": {"image_size": 512, "batch_size": 1, "seed": seed}, "world_size": 1,
+                "label": bench_paper.LABEL}, config_hash=f"{name}{seed}", name=name, status="ok",
+        env={"device": "cuda:0", "gpu_name": "Test GPU"}, started_at=0.0, label=bench_paper.LABEL,
+        metrics=metrics, epochs=[{"epoch": 49, "steps": 48, "train_loss": val, "val_loss": val,
+                                  "time_s": 30.0}]))
+
+
+def test_the_spec_is_the_papers_protocol():
+    cells = expand(load_spec(bench_paper.SPEC))
+    cfg = cells[0].config
+    assert (cfg.train.image_size, cfg.train.epochs, cfg.data.train_images, cfg.data.val_images) == (512, 50, 48, 12)
+    published = bench_paper.tomllib.loads(bench_paper.PUBLISHED.read_text())
+    names = {c.name for c in cells}
+    assert len(cells) == 3 * len(names)  # three seeds of each set
+    for table in ("table1a", "table1b", "table2"):
+        assert set(published[table]) <= names, table  # every published set is run
+
+
+def test_tables_beside_the_paper_with_the_seed_spread_flag(tmp_path, capsys):
+    db = ResultsDB(tmp_path / "paper.sqlite")
+    for seed, noise in enumerate((-0.001, 0.0, 0.001)):
+        paper_run(db, "original", seed, 0.060 + noise)
+        paper_run(db, "amp:fp16", seed, 0.063 + noise)      # 3 std apart: beyond the spread
+        paper_run(db, "invertible", seed, 0.0605 + noise)   # within it
+        paper_run(db, "checkpoint:block", seed, 0.0615 + noise)  # 1.5 std: intervals overlap
+    paper_run(db, "quantization", 0, 0.07)                   # one seed: no spread
+    assert bench_paper.main([str(db.path), "--format", "md"]) == 0
+    out = capsys.readouterr().out
+    table1a = out.split("Table 1A")[1].split("Table 1B")[0]
+    line = {row.split("|")[2].strip(): row for row in table1a.splitlines() if row.startswith("| ")}
+    assert "| 6.3000 ± 0.1000 (n=3) | 6.2515 | yes |" in line["amp:fp16"]
+    assert "| no |" in line["invertible"] and "n/a (one seed)" in line["quantization"]
+    assert "| 4.0504 |" in line["original"] and "| no |" in line["checkpoint:block"]
+    assert "| 500.00 ± 0.00 | 757.76 |" in out  # Table 2: our forward MB beside the paper's

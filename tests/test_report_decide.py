@@ -1,0 +1,120 @@
+"""The report's decision section on a small GPU-like database built with the store API."""
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+
+from memstudy import report
+from memstudy.cli import main
+from memstudy.store import ResultsDB, RunRecord
+
+MB = 1024**2
+GPU = "Test GPU 80GB"
+CONTEXT_MB = 500  # what the budgeted runs measured; the others get it as an estimate
+CATS = {"cat_params_bytes": 100, "cat_optimizer_bytes": 200}
+
+
+def gpu_run(db: ResultsDB, name: str, size: int, fwd_mb: float, step_s: float,
+            val: float | None = None, seed: int = 0, budget: str | None = None,
+            status: str = "ok") -> None:
+    """A CUDA run as the runner stores it: allocator figures per phase (start 300 MB, the
+    forward's increment `fwd_mb`, backward and step smaller), categories, one epoch."""
+    metrics = []
+    for phase, inc, grads in (("forward", fwd_mb, 0), ("backward", fwd_mb / 2, 100), ("step", 50, 0)):
+        metrics += [(0, phase, "alloc_start_bytes", 300 * MB), (0, phase, "alloc_peak_bytes", inc * MB),
+                    (0, phase, "cat_grads_bytes", grads * MB), (0, phase, "cat_other_bytes", 7 * MB),
+                    (0, phase, "cat_saved_bytes", (fwd_mb / 2 if phase == "forward" else 0) * MB)]
+        metrics += [(0, phase, k, v * MB) for k, v in CATS.items()]
+    metrics.append((0, "run", "step_time_s", step_s))
+    env = {"device": "cuda:0", "gpu_name": GPU}
+    if budget:
+        env["cuda_context_bytes"] = CONTEXT_MB * MB
+    epochs = [{"epoch": 4, "steps": 10, "train_loss": val, "val_loss": val, "time_s": 1.0}] if val else []
+    db.record(RunRecord(
+        config={"train": {"image_size": size, "batch_size": 1, "seed": seed, "epochs": 5},
+                "data": {"seed": seed}, "techniques": [] if name == "original" else name.split("+"),
+                "budget": budget, "world_size": 1, "label": "fixture"},
+        config_hash=f"{name}-{size}-{seed}-{budget}", name=name, status=status, env=env,
+        started_at=0.0, label="fixture", failed_phase=None if status == "ok" else "forward",
+        metrics=metrics if status == "ok" else [], epochs=epochs if status == "ok" else []))
+
+
+@pytest.fixture
+def db(tmp_path):
+    db = ResultsDB(tmp_path / "gpu.sqlite")
+    for seed, (orig_s, val) in enumerate([(0.10, 0.30), (0.11, 0.31), (0.12, 0.32)]):
+        gpu_run(db, "original", 512, 700, orig_s, val, seed)            # 1000 MB + context 500
+        gpu_run(db, "amp", 512, 400, 0.06, val + 0.01, seed)            # 700 + 500
+        gpu_run(db, "checkpoint", 512, 200, 0.15, val, seed)            # 500 + 500
+    gpu_run(db, "amp", 1024, 1600, 0.20, budget="4GiB")                 # 1900 + 500 measured
+    gpu_run(db, "checkpoint", 1024, 800, 0.50, budget="2GiB")           # 1100 + 500 measured
+    gpu_run(db, "original", 1024, 0, 0, budget="2GiB", status="oom")
+    return db
+
+
+def decision(rows, budget: str, size: int) -> dict:
+    (row,) = [r for r in rows if r["budget"] == budget and r["image_size"] == size]
+    return row
+
+
+def test_budgets_come_from_the_runs_and_the_option(db):
+    assert report.budgets_found(db) == [2 * 1024**3, 4 * 1024**3]
+    assert report.budgets_found(db, ["1GiB"])[0] == 1024**3
+
+
+def test_the_fastest_set_that_fits_each_budget_wins(db):
+    rows = report.decisions(db, report.budgets_found(db, ["1GiB"]))
+    small = decision(rows, "2GiB", 512)
+    assert small["name"] == "amp" and small["peak_mb"] == pytest.approx(1200)
+    assert small["time_vs_original"] == pytest.approx(0.06 / 0.11)  # original's mean over seeds
+    assert small["val_loss_delta"] == pytest.approx(0.01)
+    assert small["val_loss_delta_std"] == pytest.approx((2 * 0.01**2) ** 0.5)  # both seed spreads
+    assert "context estimated" in small["note"]  # unbudgeted runs: the GPU's measured context added
+    assert decision(rows, "1GiB", 512)["name"] == "checkpoint"  # 1000 MB: only it fits 1 GiB
+    assert decision(rows, "2GiB", 1024)["name"] == "checkpoint"  # amp peaks at 2400 MB
+    large = decision(rows, "4GiB", 1024)
+    assert large["name"] == "amp" and "original not measured ok" in large["note"]
+    assert "quality at 512 px" in large["note"]
+    none = decision(rows, "1GiB", 1024)
+    assert none["name"] == "(none fits)" and "smallest peak 1600 MB: checkpoint" in none["note"]
+
+
+def test_seed_spread_is_mean_std_and_n(db):
+    (orig,) = [r for r in report.pareto(db) if r["name"] == "original"]
+    assert orig["step_time_s"] == pytest.approx(0.11) and orig["runs"] == 3
+    assert orig["step_time_s_std"] == pytest.approx(0.01)
+    md = report.render("pareto", report.pareto(db), "md")
+    assert "0.110 ± 0.010" in md
+    rows = list(csv.reader(io.StringIO(report.render("pareto", report.pareto(db), "csv"))))
+    header = rows[0]
+    assert "step s std" in header  # raw formats give the spread its own column
+    line = next(r for r in rows if r[header.index("techniques")] == "original")
+    assert float(line[header.index("step s std")]) == pytest.approx(0.01)
+
+
+def test_pareto_marks_the_sets_no_other_beats_on_memory_and_time(db):
+    marks = {r["name"]: r["pareto"] for r in report.pareto(db) if r["image_size"] == 512}
+    assert marks == {"amp": "*", "checkpoint": "*", "original": ""}  # original: amp is both
+
+
+def test_categories_split_each_phase_and_stand_beside_its_absolute_peak(db):
+    rows = [r for r in report.phase_categories(db) if r["name"] == "original"]
+    assert [r["phase"] for r in rows] == ["forward", "backward", "step"]
+    fwd, bwd = rows[0], rows[1]
+    assert fwd["cat_saved_bytes"] == pytest.approx(350) and bwd["cat_grads_bytes"] == 100
+    assert fwd["held_mb"] == pytest.approx(100 + 200 + 350 + 7)
+    assert fwd["peak_abs_mb"] == pytest.approx(1000)  # 300 start + 700, no context on the phase
+    peaks = {r["name"]: r for r in report.phase_peaks(db) if r["image_size"] == 512}
+    assert peaks["amp"]["forward_inc_mb"] == 400 and peaks["amp"]["forward_abs_mb"] == 700
+    assert peaks["amp"]["backward_inc_mb"] == 200 and peaks["amp"]["runs"] == 3
+
+
+@pytest.mark.parametrize("fmt", ["term", "md", "csv", "latex", "html"])
+def test_decision_in_every_format(db, tmp_path, fmt):
+    out = tmp_path / f"r.{fmt}"
+    assert main(["report", str(db.path), "--format", fmt, "--budget", "1GiB", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "1GiB" in text and "(none fits)" in text and "checkpoint" in text
+    assert ("saved activations" in text) and ("Forward abs" in text or fmt == "csv" and "Forward abs MB" in text)
