@@ -34,7 +34,7 @@ HASH_NEUTRAL_DEFAULTS = (("train", "val_precision", "run"), ("meter", "profile",
 # that measure the same thing, or when it must make old records of a config stop counting: the
 # pinned hashes in tests/test_records.py fail until this is raised and they are renewed, and
 # `memstudy grid` names each cell that an older record no longer covers and why.
-HASH_SCHEMA = 1
+HASH_SCHEMA = 2  # 2: train.loss_chunk_rows defaults to "auto" (block height from the memory left)
 
 
 @dataclass

@@ -256,10 +256,14 @@ def test_a_setting_added_later_keeps_earlier_hashes_at_its_default():
     import hashlib
     import json
 
+    from memstudy.config import HASH_SCHEMA
+
     cfg = small_config()
     before = cfg.to_dict()
     before.pop("label")
     del before["train"]["val_precision"]
+    del before["meter"]["profile"]  # added later too, also neutral at its default
+    before["hash_schema"] = HASH_SCHEMA
     digest = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     assert cfg.hash() == digest
     assert small_config(val_precision="float32").hash() != digest
