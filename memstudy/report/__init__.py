@@ -13,7 +13,7 @@ Python API (all take a database path or a ResultsDB; rows are lists of dicts, pa
     tri_efficiency(db), tri_control_series(db, run_id), tri_control_chart(series)
                                         Tri-Accel section (only for databases with tri_accel runs)
     build_report(db, fmt)               everything, as `memstudy report` prints it
-    notebook_db()                       $MEMSTUDY_DB, else benchmarks/results/h200/gpu.sqlite
+    notebook_db()                       $MEMSTUDY_DB, else benchmarks/results/h200/technique-grid/gpu.sqlite
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from memstudy.report.triaccel_section import tri_runs
 from memstudy.table_format import FORMATS, render_table
 from memstudy.bytesize import mb, parse_bytes
 
-GPU_DB = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "gpu.sqlite"
+GPU_DB = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "technique-grid" / "gpu.sqlite"
 
 
 def notebook_db() -> Path:
