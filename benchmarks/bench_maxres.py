@@ -1,6 +1,6 @@
 """Largest trainable square image under an 8 GiB budget on one GPU (issue 4), predicted and found.
 
-    python benchmarks/bench_maxres.py --out benchmarks/results            # GPU 0, 8GiB
+    python benchmarks/bench_maxres.py --out benchmarks/results/h200/technique-grid   # GPU 0, 8GiB
     python benchmarks/bench_maxres.py --out /tmp/mx --gpu 1 --budget 6GiB
 
 For Original, AMP bf16, Chkp, AMP+Chkp, AMP+Chkp+Mom (invertible residuals, the study's

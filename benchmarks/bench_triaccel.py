@@ -1,6 +1,6 @@
-"""Tri-Accel on the U-Net (seeds/000 Tables 1 and 2, adapted): GPU benchmark, run by the lead.
+"""Tri-Accel on the U-Net ([Tri-Accel] (docs/references.md) Tables 1 and 2, adapted): GPU benchmark, run by the lead.
 
-    python benchmarks/bench_triaccel.py --out benchmarks/results/triaccel [--sizes 1024 2048]
+    python benchmarks/bench_triaccel.py --out benchmarks/results/h100/triaccel [--sizes 1024 2048]
         [--parts stats ablation] [--tri-extra ":tau_low=1e-7:tau_high=1e-3"]
 
 Part `stats` (triaccel_stats.md): the per-unit gradient statistics, median of 50 launches
@@ -87,7 +87,7 @@ def main() -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--epochs", type=int, default=2)
-    # 24, not 8: with the elastic batch at 2-4 an epoch of 8 was ~4 steps (H100 session 7)
+    # 24, not 8: with the elastic batch at 2-4 an epoch of 8 was ~4 steps (H100, 2026-11-23)
     p.add_argument("--train-images", type=int, default=24)
     p.add_argument("--target", type=float, default=0.4,
                    help="train.target_val_loss (1 - MS-SSIM) for time_to_target_s")

@@ -56,7 +56,7 @@ class TrainConfig:
     channels_last: bool | None = None  # weights and batches in channels_last (NHWC) layout
     cudnn_benchmark: bool | None = None  # torch.backends.cudnn.benchmark: cuDNN times its
     # convolution algorithms for each new shape (in warm-up) and keeps the fastest
-    # Training policy (seeds/002 III.C, memstudy/policy.py, docs/techniques/accumulate.md):
+    # Training policy ([Compute-Opt] (docs/references.md) III.C, memstudy/policy.py, docs/techniques/accumulate.md):
     lr_schedule: str = "constant"  # constant, or warmup_cosine (eq. 10) over the run's steps
     lr_warmup_steps: int = 0  # warmup_cosine: linear warm-up steps (the paper: ~5% of steps)
     lr_min_ratio: float = 0.1  # warmup_cosine: eta_min / eta_base (the paper: 0.1)

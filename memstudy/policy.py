@@ -1,4 +1,4 @@
-"""Training policy of seeds/002 section III.C, set in [train] and recorded in the resolved config.
+"""Training policy of [Compute-Opt] (docs/references.md) section III.C, set in [train] and recorded in the resolved config.
 
 - `lr_schedule = "warmup_cosine"` (eq. 10): step t (1-based) trains at eta_base * t / t_warmup
   while t <= t_warmup (`lr_warmup_steps`), then cosine from eta_base down to eta_min =

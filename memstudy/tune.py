@@ -1,4 +1,4 @@
-"""`memstudy tune`: evolutionary, asynchronous hyperparameter search with Propulate (seeds/004
+"""`memstudy tune`: evolutionary, asynchronous hyperparameter search with Propulate ([Coquelin] (docs/references.md)
 chapter 6) over technique options and training settings; every trial is a recorded run.
 
 Spec (TOML, docs/tune.md):
@@ -23,7 +23,7 @@ Spec (TOML, docs/tune.md):
 Fitness (minimised), a function of recorded figures only:
 - status ok, within the budget (or none): val_loss / train_loss: the last epoch's loss (rank 0),
   in [0, 1]; efficiency_score: minus Tri-Accel's efficiency score Q / (T * M) * 100
-  (memstudy/triaccel/score.py, seeds/000 section 4.2), <= 0;
+  (memstudy/triaccel/score.py, [Tri-Accel] section 4.2), <= 0;
 - status ok, peak memory above the budget: 1 + peak / budget (every such trial ranks behind
   every trial within the budget, smaller overshoots first); peak memory is the run's
   `alloc_peak_total_bytes` on a GPU, the largest `tensor_start_bytes + tensor_peak_bytes` of a

@@ -210,7 +210,7 @@ def test_bench_overhead_alternates_the_sides_and_pools_their_rounds():
 
 def test_fsdp_resolves_channels_last_off_and_refuses_it_on():
     """FSDP2 shards only contiguous parameters (channels_last weights failed its setup on
-    2 x H200, session 7): with fsdp on CUDA, unset channels_last resolves to off, on is refused."""
+    2 x H200, 2026-11-23): with fsdp on CUDA, unset channels_last resolves to off, on is refused."""
     from memstudy.config import RunConfig
 
     def fsdp_config(**train) -> RunConfig:
@@ -233,7 +233,7 @@ def test_fsdp_resolves_channels_last_off_and_refuses_it_on():
 
 def test_an_elastic_batch_resolves_cudnn_benchmark_off_unless_set():
     """Each new batch size is a new shape for cuDNN's autotuner, timed inside the epoch
-    (tri_accel's elastic batch, H100 session 7): unset resolves to off, explicit on stays."""
+    (tri_accel's elastic batch, H100, 2026-11-23): unset resolves to off, explicit on stays."""
     from memstudy.config import RunConfig
 
     def tri(spec: str, **train) -> RunConfig:

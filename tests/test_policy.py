@@ -1,4 +1,4 @@
-"""Training policy (seeds/002 eq. 10-12), time to target and energy, through the real runner."""
+"""Training policy ([Compute-Opt] (docs/references.md) eq. 10-12), time to target and energy, through the real runner."""
 from __future__ import annotations
 
 import math

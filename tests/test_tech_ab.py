@@ -1,4 +1,4 @@
-"""ab (AB training, seeds/004 Algorithm 2) on 4 gloo processes with DDP: the phase schedule,
+"""ab (AB training, [Coquelin] (docs/references.md) Algorithm 2) on 4 gloo processes with DDP: the phase schedule,
 independent A / B groups, the eq. 5.8 synchronisation, the recorded communication; refusals."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Gradient accumulation (seeds/002 eq. 4-7) through memstudy's runner and training loop.
+"""Gradient accumulation ([Compute-Opt] (docs/references.md) eq. 4-7) through memstudy's runner and training loop.
 
 The equivalence tests use a BatchNorm-free tiny network (accumulate_helpers.TinyNet) through
 the same runtime code path the U-Net takes: with BatchNorm, each micro-batch normalises with

@@ -1,4 +1,4 @@
-"""Learning-rate schedules: the run-wide warmup + cosine of seeds/002 (eq. 10, used by
+"""Learning-rate schedules: the run-wide warmup + cosine of [Compute-Opt] (docs/references.md) (eq. 10, used by
 `train.lr_schedule` through memstudy/policy.py), and the schedulers of split models, stepped
 after every optimizer step.
 
@@ -21,7 +21,7 @@ STEP_GAMMA = 0.5  # `step`: halve the learning rate once per epoch
 
 
 def warmup_cosine(t: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Eq. 10 of seeds/002 as a factor of eta_base for optimizer step t (1-based: the first
+    """Eq. 10 of [Compute-Opt] as a factor of eta_base for optimizer step t (1-based: the first
     step is t = 1, so warm-up never takes a step at lr 0):
     t / warmup for t <= warmup, else min_ratio + (1 - min_ratio) * 0.5 * (1 + cos(pi * (t -
     warmup) / (total - warmup))), which ends at eta_min = min_ratio * eta_base at t = total."""

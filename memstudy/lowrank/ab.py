@@ -1,4 +1,4 @@
-"""AB training (seeds/004 Algorithm 2) on the data-parallel ranks: the schedule and the factors.
+"""AB training ([Coquelin] (docs/references.md) Algorithm 2) on the data-parallel ranks: the schedule and the factors.
 
 Cycle, with the step hook acting after optimizer step t:
 - full-rank DP for `warmup` steps (DDP as usual);

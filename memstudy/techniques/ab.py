@@ -1,4 +1,4 @@
-"""ab: AB training (seeds/004 chapter 5, Algorithm 2) on the data-parallel ranks of `dp`.
+"""ab: AB training ([Coquelin] (docs/references.md) chapter 5, Algorithm 2) on the data-parallel ranks of `dp`.
 
 After `warmup` full-rank DP steps, every eligible weight W becomes A B (A = U Sigma^1/2,
 B = Sigma^1/2 V^T, ranks with singular values below sigma_cutoff * the largest dropped); half
@@ -110,4 +110,4 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("ab", Stage.RUNTIME, Options,
                    "AB training: half the dp ranks train A, half B of W = AB, averaged and "
-                   "rebound to full rank (seeds/004 ch. 5)", apply, check))
+                   "rebound to full rank ([Coquelin] ch. 5)", apply, check))

@@ -1,4 +1,4 @@
-"""Gradient accumulation (seeds/002 section III.B): `accumulate:4`, or adaptive k.
+"""Gradient accumulation ([Compute-Opt] (docs/references.md) section III.B): `accumulate:4`, or adaptive k.
 
 Memory / compute trade-off: an optimizer step sums the gradients of k micro-batches of
 train.batch_size images (each loss scaled by 1/k, eq. 4) and then steps once (eq. 5), so the

@@ -117,7 +117,7 @@ class Options:
     groups: str = field(default="channel", metadata={
         "choices": GROUPINGS,
         "help": "channels-last tensors: channel = group_size pixels of one channel per group; "
-                "memory = runs in memory order, across channels (before session 8)"})
+                "memory = runs in memory order, across channels (the grouping until 2026-11-23)"})
     grad_probe: bool = field(default=True, metadata={
         "help": "re-run the last warm-up step uncompressed and record the gradient deviation"})
 

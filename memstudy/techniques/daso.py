@@ -1,4 +1,4 @@
-"""daso: distributed asynchronous and selective optimisation (seeds/004 chapter 3).
+"""daso: distributed asynchronous and selective optimisation ([Coquelin] (docs/references.md) chapter 3).
 
 Ranks form nodes of `node_size` consecutive ranks. Every step the gradients are averaged
 inside the node only (node-local all-reduce). Every B steps of the cycling phase one rank per
@@ -227,5 +227,5 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("daso", Stage.PARALLEL, Options,
                    "DASO: node-local gradient averaging, non-blocking global parameter "
-                   "averaging every B steps (seeds/004 ch. 3)", apply, check,
+                   "averaging every B steps ([Coquelin] ch. 3)", apply, check,
                    order=10, shards_batch=True, owns_process_group=True, gloo_on_cuda=True))

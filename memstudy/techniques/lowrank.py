@@ -1,4 +1,4 @@
-"""lowrank: OIALR (seeds/004 chapter 4, Algorithm 1): after d full-rank steps every eligible
+"""lowrank: OIALR ([Coquelin] (docs/references.md) chapter 4, Algorithm 1): after d full-rank steps every eligible
 weight is trained as U Sigma V^T with only the r x r Sigma trainable; every nu steps the bases
 absorb Sigma's rotation (eq. 4.13) and singular values below beta * max are dropped.
 
@@ -34,7 +34,7 @@ COMPOSES_WITH = ("amp", "checkpoint", "offload")
 class Options:
     d: int | None = field(default=None, metadata={
         "help": "full-rank steps before the conversion (0: convert before the first step); "
-                "none: a third of the run's planned steps (seeds/004 section 4.3)"})
+                "none: a third of the run's planned steps ([Coquelin] section 4.3)"})
     nu: int = field(default=10, metadata={"help": "steps between base updates (eq. 4.13)"})
     alpha: float = field(default=0.1, metadata={
         "help": "fraction of the weights added to the update set per update, output side first"})
