@@ -31,7 +31,7 @@ from memstudy.meters.nvml import EnergyCounter
 from memstudy.phases import STEP
 from memstudy.quality import min_image_size
 from memstudy.store import ResultsDB, RunRecord
-from memstudy.techniques import canonical, declaring
+from memstudy.techniques import canonical, declaring, resolve_run_settings
 from memstudy.techniques.compose import build_pipeline, make_plan, prepare_process
 from memstudy.train import TrainState, check_measurable, train
 
@@ -44,7 +44,7 @@ def resolved(config: RunConfig) -> RunConfig:
     """The config with techniques in canonical form and the device-dependent defaults
     (channels_last, cudnn_benchmark) filled in, so equal runs hash equal."""
     config.techniques = canonical(config.techniques)
-    config.technique_defaults()  # before the device's defaults fill what is still unset
+    resolve_run_settings(config)  # before the device's defaults fill what is still unset
     config.train.resolve_tuning()
     return config
 

@@ -9,6 +9,7 @@ import importlib
 import pkgutil
 from typing import Any
 
+from memstudy import run_length
 from memstudy.errors import ConfigError
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
@@ -76,6 +77,45 @@ def shards_batch(specs: list[str]) -> bool:
     return bool(declaring(specs, "shards_batch"))
 
 
+def micro_batches(specs: list[str], most: bool = False) -> int:
+    """Micro-batches per optimizer step the techniques of `specs` declare: at the start, or
+    with `most` the most they may take during the run (1 without accumulation)."""
+    fact = "most_micro_batches" if most else "micro_batches"
+    return max([get_technique(n).value(fact, o) for n, o in parse_techniques(specs).items()],
+               default=1)
+
+
+def planned_steps(config, train_images: int, most_micro_batches: bool = False) -> int:
+    """Optimizer steps the run will take (at its initial batch size; an elastic batch takes
+    fewer), from the run's settings and its techniques' declared facts (memstudy.run_length).
+    With `most_micro_batches`: the fewest steps it can take (adaptive accumulation at its
+    largest k)."""
+    return run_length.planned_steps(
+        config.train, train_images, shards_batch=shards_batch(config.techniques),
+        micro_batches=micro_batches(config.techniques, most=most_micro_batches))
+
+
+def resolve_run_settings(config) -> None:
+    """Run settings whose default a technique changes, only where unset (the resolved config
+    stores the value used; runner.resolved applies them too, so a config hashed before its
+    check hashes as the run it becomes): channels_last off where parameters must be
+    contiguous (on is refused there), cudnn_benchmark off where the batch size changes during
+    the run."""
+    if not config.techniques:
+        return
+    needs = declaring(config.techniques, "contiguous_weights")
+    if needs and config.train.channels_last:
+        raise ConfigError(f"{needs[0]} needs contiguous parameters (FSDP2 shards no other), "
+                          "but train.channels_last = true stores convolution weights in NHWC; "
+                          "set train.channels_last = false or leave it unset")
+    if needs and config.train.channels_last is None:
+        config.train.channels_last = False
+    # cuDNN would time its algorithms again for every new batch size, inside timed epochs
+    # (tri_accel's elastic batch on an H100: 4 steps in 17.6 s, amp:fp16 24 in 1.9 s)
+    if config.train.cudnn_benchmark is None and declaring(config.techniques, "varies_batch"):
+        config.train.cudnn_benchmark = False
+
+
 def canonical(specs: list[str]) -> list[str]:
     """Techniques with every option spelled out, in composition order (what gets hashed)."""
     return [get_technique(n).canonical(o) for n, o in parse_techniques(specs).items()]
@@ -83,4 +123,4 @@ def canonical(specs: list[str]) -> list[str]:
 
 __all__ = ["Build", "Plan", "Stage", "Technique", "register", "list_techniques",
            "get_technique", "parse_techniques", "canonical", "composition_key", "declaring",
-           "shards_batch"]
+           "shards_batch", "micro_batches", "planned_steps", "resolve_run_settings"]

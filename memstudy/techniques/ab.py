@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memstudy.errors import ConfigError
-from memstudy.techniques import register
+from memstudy.techniques import planned_steps, register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
 COMPOSES_WITH = ("dp", "amp", "checkpoint", "offload")
@@ -46,8 +46,6 @@ class Options:
 
 
 def resolved(opts: Options, config) -> tuple[int, int, int]:
-    from memstudy.train import planned_steps
-
     steps = planned_steps(config, config.data.train_images)
     warmup = steps // 5 if opts.warmup is None else opts.warmup
     ab_steps = max(1, round(steps / 30)) if opts.ab_steps is None else opts.ab_steps
@@ -56,8 +54,6 @@ def resolved(opts: Options, config) -> tuple[int, int, int]:
 
 
 def check(opts: Options, plan: Plan) -> None:
-    from memstudy.train import planned_steps
-
     if not plan.has("dp"):
         raise ConfigError("ab trains groups of data-parallel ranks: add dp to techniques "
                           "(e.g. techniques = [\"dp\", \"ab\"], world_size >= 2)")
@@ -88,8 +84,6 @@ def apply(opts: Options, build: Build) -> None:
 
     ddp = build.model
     warmup, ab_steps, rebound = resolved(opts, build.config)
-    from memstudy.train import planned_steps
-
     schedule = ABSchedule(ddp.module, ddp, warmup, ab_steps, rebound, opts.sigma_cutoff,
                           opts.skip_first, opts.skip_last, context.rank(), context.world_size(),
                           total=planned_steps(build.config, build.config.data.train_images))

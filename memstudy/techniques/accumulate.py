@@ -196,4 +196,5 @@ def apply(opts: Options, build: Build) -> None:
 register(Technique("accumulate", Stage.RUNTIME, Options,
                    "k micro-batches per optimizer step (activations of one micro-batch, "
                    "effective batch k x batch_size); adaptive k from the gradient variance",
-                   apply, check))
+                   apply, check, micro_batches=lambda o: o.k,
+                   most_micro_batches=lambda o: o.k_max if o.mode == "adaptive" else o.k))

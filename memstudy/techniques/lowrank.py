@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memstudy.errors import ConfigError
-from memstudy.techniques import register
+from memstudy.techniques import planned_steps, register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
 # Techniques verified to act correctly on a model whose parameters change during the run.
@@ -47,16 +47,12 @@ class Options:
 
 
 def resolved_d(opts: Options, plan_or_config) -> int:
-    from memstudy.train import planned_steps
-
     config = getattr(plan_or_config, "config", plan_or_config)
     steps = planned_steps(config, config.data.train_images)
     return steps // 3 if opts.d is None else opts.d
 
 
 def check(opts: Options, plan: Plan) -> None:
-    from memstudy.train import planned_steps
-
     if not 0 < opts.beta < 1:
         raise ConfigError(f"lowrank:beta must be in (0, 1) (got {opts.beta}): it is the fraction "
                           "of the largest singular value below which ranks are dropped")
