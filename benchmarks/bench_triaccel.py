@@ -21,7 +21,7 @@ Configurations (cumulative, as the paper's ablation):
   tri_accel   all three parts
 --tri-extra appends options to every tri_accel spec (e.g. thresholds found by
 `memstudy tune benchmarks/specs/tune-triaccel.toml`); --tuned DB appends the best recorded
-trial's tau_low / tau_high / tau_curv of that search (memstudy.tune_results.best_trials over
+trial's tau_low / tau_high / tau_curv of that search (memstudy.tune.results.best_trials over
 --tune-spec in DB), named with its run id in triaccel.md (gpu.sh step triaccel-tuned). Every run: synthetic phantoms, batch 1 to start, validation in float32, the same epochs, a budget of 16 GiB (the
 paper's T4/P100 cards, emulated by memstudy's allocator cap), every step after one warm-up
 step measured so the peak covers the whole run. Writes triaccel.sqlite and triaccel.md
@@ -141,7 +141,7 @@ def main() -> int:
 def tuned_options(args) -> str:
     """':tau_low=..:tau_high=..:tau_curv=..' of the best recorded trial of --tune-spec in --tuned."""
     from memstudy.tune import load_spec
-    from memstudy.tune_results import best_trials
+    from memstudy.tune.results import best_trials
 
     if not args.tuned.is_file():
         sys.exit(f"--tuned {args.tuned}: no such database (run gpu.sh step tune-triaccel first)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from memstudy.distributed.lr_schedule import warmup_cosine
+from memstudy.lr_schedule import warmup_cosine
 from memstudy.errors import ConfigError
 from memstudy.runtime import Runtime, StepInfo
 from memstudy.techniques import planned_steps

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from memstudy.kernels import quantize as qk
-from memstudy.techniques.compress import Compressor
+from memstudy.compression.codec import Compressor
 
 # a tail shorter than a byte, a tail inside a group, whole groups, several programs' worth
 SIZES = [5, 37, 1024, 4096 + 300]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from accumulate_helpers import run_tiny, series
 
-from memstudy.distributed.lr_schedule import warmup_cosine
+from memstudy.lr_schedule import warmup_cosine
 from memstudy.errors import ConfigError
 from memstudy.meters.nvml import EnergyCounter
 from memstudy.policy import GradientClipping, scaled_lr

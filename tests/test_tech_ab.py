@@ -28,7 +28,7 @@ def _model():
 def _worker(r, port, out_dir):
     from torch.nn.parallel import DistributedDataParallel
 
-    from memstudy.lowrank.ab import ABSchedule
+    from memstudy.lowrank.ab_training import ABSchedule
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
                       WORLD_SIZE=str(WORLD))

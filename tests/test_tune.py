@@ -16,8 +16,8 @@ import pytest
 from memstudy.errors import ConfigError
 from memstudy.store import ResultsDB
 from memstudy.tune import (LogRange, Trials, fitness, parse_spec, search_limits, trial_value)
-from memstudy.tune_propulate import patch_single_worker_islands
-from memstudy.tune_results import best_table, best_trials
+from memstudy.tune.search import patch_single_worker_islands
+from memstudy.tune.results import best_table, best_trials
 
 BASE = {"techniques": [], "train": {"image_size": 192, "epochs": 1, "device": "cpu",
                                     "warmup_steps": 1, "measure_steps": 1},

@@ -30,7 +30,7 @@ from memstudy.report.tables import (COLUMNS, TABLES, TITLES, as_cells, largest_s
 from memstudy.report.triaccel_section import control_series as tri_control_series
 from memstudy.report.triaccel_section import efficiency as tri_efficiency
 from memstudy.report.triaccel_section import tri_runs
-from memstudy.table_format import FORMATS, render_table
+from memstudy.text_table import FORMATS, render_table
 from memstudy.bytesize import mb, parse_bytes
 
 GPU_DB = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "technique-grid" / "gpu.sqlite"

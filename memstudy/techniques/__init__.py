@@ -1,56 +1,19 @@
 """Registry of memory techniques: `list_techniques()`, `get_technique(name)`, `parse_techniques()`.
 
 Every module in this package that does not start with an underscore is imported once and
-registers its technique(s), so adding a technique is adding one file.
+registers its technique(s), so adding a technique is adding one file. The machinery (the
+table, loading the modules) is private: `_registry.py`; this module answers questions about
+technique lists (declared facts, canonical form, run length).
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any
 
 from memstudy import run_length
 from memstudy.errors import ConfigError
+from memstudy.techniques._registry import (composition_key, get_technique, list_techniques,
+                                           register, technique_names)
 from memstudy.techniques.base import Build, Plan, Stage, Technique
-
-_REGISTRY: dict[str, Technique] = {}
-_LOADED = False
-_INTERNAL = {"base", "compose"}
-
-
-def register(technique: Technique) -> Technique:
-    if technique.name in _REGISTRY:
-        raise RuntimeError(f"technique {technique.name!r} registered twice")
-    _REGISTRY[technique.name] = technique
-    return technique
-
-
-def _load() -> None:
-    global _LOADED
-    if not _LOADED:
-        _LOADED = True
-        for mod in pkgutil.iter_modules(__path__):
-            if not mod.name.startswith("_") and mod.name not in _INTERNAL:
-                importlib.import_module(f"{__name__}.{mod.name}")
-
-
-def composition_key(technique: Technique) -> tuple[int, int, str]:
-    """The one composition order: stage, then declared order within the stage, then name."""
-    return (int(technique.stage), technique.order, technique.name)
-
-
-def list_techniques() -> list[Technique]:
-    _load()
-    return sorted(_REGISTRY.values(), key=composition_key)
-
-
-def get_technique(name: str) -> Technique:
-    _load()
-    if name not in _REGISTRY:
-        raise ConfigError(f"unknown technique {name!r}; valid: {sorted(_REGISTRY)} "
-                          "(see `memstudy techniques`)")
-    return _REGISTRY[name]
-
 
 def parse_techniques(specs: list[str]) -> dict[str, Any]:
     """['amp:bf16', 'checkpoint'] -> {name: options} in composition order (`composition_key`),
@@ -75,6 +38,26 @@ def declaring(specs: list[str], fact: str) -> list[str]:
 def shards_batch(specs: list[str]) -> bool:
     """Whether a technique of `specs` splits each global batch over the ranks."""
     return bool(declaring(specs, "shards_batch"))
+
+
+def check_names(specs: list[str]) -> None:
+    """Refuse an unknown technique name without importing any technique module (so a typo
+    is answered before torch loads): each technique module registers the technique of its
+    own name (tests/test_registry.py checks that)."""
+    known = technique_names()
+    for spec in specs:
+        name = spec.split(":")[0].strip()
+        if name not in known:
+            raise ConfigError(f"unknown technique {name!r}; valid: {known} "
+                              "(see `memstudy techniques`)")
+
+
+def check_early(config) -> None:
+    """What can be refused before torch and the technique modules load: the config's own
+    checks (types, ranges, sizes, data source, files) and the technique names. make_plan
+    refuses the rest (options, combinations, the device)."""
+    config.check()
+    check_names(config.techniques)
 
 
 def micro_batches(specs: list[str], most: bool = False) -> int:
@@ -123,4 +106,5 @@ def canonical(specs: list[str]) -> list[str]:
 
 __all__ = ["Build", "Plan", "Stage", "Technique", "register", "list_techniques",
            "get_technique", "parse_techniques", "canonical", "composition_key", "declaring",
-           "shards_batch", "micro_batches", "planned_steps", "resolve_run_settings"]
+           "shards_batch", "micro_batches", "planned_steps", "resolve_run_settings",
+           "check_early", "check_names", "technique_names"]

@@ -80,7 +80,7 @@ def check(opts: Options, plan: Plan) -> None:
 
 def apply(opts: Options, build: Build) -> None:
     from memstudy.distributed import context
-    from memstudy.lowrank.ab import ABSchedule
+    from memstudy.lowrank.ab_training import ABSchedule
 
     ddp = build.model
     warmup, ab_steps, rebound = resolved(opts, build.config)

@@ -1,4 +1,4 @@
-"""The Propulate side of `memstudy tune` (memstudy/tune.py holds the spec, trials and fitness):
+"""The Propulate side of `memstudy tune` (memstudy/tune/__init__.py holds the spec, trials and fitness):
 one Propulate worker per MPI process, `islands` islands, each worker's loss function a
 `Trials` object that trains (or finds recorded) one run per proposal.
 

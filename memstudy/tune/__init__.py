@@ -34,7 +34,7 @@ Resumable: a trial whose resolved config hash is already in the database is not 
 recorded figures give the fitness; Propulate's own population checkpoint (default: beside the
 database, `<db>.propulate/`) lets a restarted search go on from its last generation. Islands:
 one Propulate worker per MPI rank (`mpirun -n N memstudy tune ...`); rank r trains on GPU
-r mod (visible GPUs). The Propulate driver (`run_tune`) is memstudy/tune_propulate.py; this
+r mod (visible GPUs). The Propulate driver (`run_tune`) is memstudy/tune/search.py; this
 module needs neither Propulate nor MPI.
 """
 from __future__ import annotations
