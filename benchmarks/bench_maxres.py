@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu  # before torch sees the GPUs; probes inherit it
     from memstudy.maxres import search_all
-    from memstudy.runner import eprint
+    from memstudy.console import eprint
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -166,6 +166,9 @@ class DataConfig:
             raise ValueError(f"data.source must be 'synthetic' or 'folder', got {self.source!r}")
         if self.source == "folder" and not self.path:
             raise ValueError("data.path is required when data.source = 'folder'")
+        if self.source == "folder" and not Path(self.path).is_dir():
+            raise ValueError(f"data.path {str(self.path)!r}: data folder not found; expected "
+                             "images in it, or inputs/ and targets/ subfolders")
         if self.source == "synthetic" and self.path:
             raise ValueError(f"data.path is set ({str(self.path)!r}) but data.source = "
                              "'synthetic'; set data.source = 'folder' to train on it, or remove "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import random
-import sys
 import time
 import traceback
 from collections import Counter
@@ -17,6 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from memstudy.console import eprint  # also imported from here by scripts
 from memstudy import cuda_allocator
 from memstudy import env as envinfo
 from memstudy.budget import apply_budget, budget_bytes, recap_after_warmup
@@ -213,5 +213,3 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def eprint(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
