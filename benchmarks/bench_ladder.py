@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "needs and costs unconstrained), ';'-separated")
     p.add_argument("--no-float32", action="store_true",
                    help="native: skip the float32 reference (quality column then empty)")
+    p.add_argument("--no-references", action="store_true",
+                   help="native: run the tiled and free sets only (no amp:bf16 / float32 "
+                        "references: e.g. at sizes where an absolute step time is the target)")
     p.add_argument("--timeout", type=float, default=600, help="per-run / per-probe timeout (s)")
     return p.parse_args(argv)
 
@@ -147,6 +150,8 @@ def native_runs(args: argparse.Namespace) -> list[tuple[str, str, str | None, tu
     named = "".join(f", {t}" for t in tiled)
     runs = [(f"{s} under {args.budget}{named}", s, args.budget, tiled) for s in _sets(args.tiled_set)]
     runs += [(f"{s} unconstrained", s, None, ()) for s in _sets(args.free_sets)]
+    if args.no_references:
+        return runs
     runs.append((TUNED_LABEL, "amp:bf16", None, TUNED_SETTINGS))
     runs.append(("amp:bf16 unconstrained", "amp:bf16", None, ()))
     if not args.no_float32:
@@ -165,7 +170,8 @@ def run_native(db: Path, args: argparse.Namespace, label: str, techniques: str,
            "-t", techniques, "--device", "cuda", "--steps", str(steps), "-q", "--label", label,
            "--set", f"train.warmup_steps={args.warmup}",
            "--set", f"train.measure_steps={min(2, steps - args.warmup)}",
-           "--set", f"data.train_images={steps}", "--set", "data.val_images=2"]
+           "--set", f"data.train_images={steps}", "--set", "data.val_images=2",
+           "--set", "meter.profile=true"]
     if budget:
         cmd += ["--budget", budget]
     for setting in settings:
@@ -199,6 +205,7 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
                      "step": run.get("step_time_s") or run.get("metered_step_time_s"),
                      "retries": run.get("alloc_retries"),
                      "msssim": None if val is None else 1 - val,
+                     **_profile_of(rdb, r["id"]),
                      "error": (r["error"] or "")[:100]})
     tuned = next((r["step"] for r in rows if r["label"] == TUNED_LABEL), None)
     # databases recorded before the tuned row existed: against the default amp:bf16, said so
@@ -214,8 +221,9 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
              "same steps on the same phantoms. Retries: the allocator's `num_alloc_retries` "
              "(docs/metrics.md).", "",
              "| run | status | allocator peak MB | NVML peak MB | retries | step s | "
-             f"{reference} | val MS-SSIM | vs float32 | error |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{reference} | launches / step | GPU busy ms / step | val MS-SSIM | vs float32 | "
+             "error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['step'] / bf16:.2f}" if r["step"] and bf16 else "-"
         rel = f"{(r['msssim'] - fp32) / fp32:+.2%}" if r["msssim"] is not None and fp32 else "-"
@@ -225,8 +233,16 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
             f"{r['nvml'] / 2**20:.0f}" if r["nvml"] else "-",
             "-" if r["retries"] is None else f"{r['retries']:.0f}",
             f"{r['step']:.3f}" if r["step"] else "-", ratio,
+            f"{r['launches']:.0f}" if r.get("launches") else "-",
+            f"{r['busy']:.1f}" if r.get("busy") else "-",
             f"{r['msssim']:.4f}" if r["msssim"] is not None else "-", rel, r["error"] + " |"]))
     return lines
+
+
+def _profile_of(rdb, run_id: int) -> dict[str, float]:
+    """The run's profiled warm-up step (meter.profile): launches and GPU-busy ms per step."""
+    found = {r["name"]: r["value"] for r in rdb.series(run_id, "%_per_step")}
+    return {"launches": found.get("launches_per_step"), "busy": found.get("gpu_busy_ms_per_step")}
 
 
 def native(args: argparse.Namespace, out: Path) -> int:

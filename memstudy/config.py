@@ -29,7 +29,7 @@ DEVICES = ("auto", "cpu", "cuda")
 VAL_PRECISIONS = ("run", "float32")  # train.val_precision
 # Settings added after results were recorded, left out of the config hash at their default
 # (what every earlier run did), so recorded grids, maxres probes and tune trials still resume.
-HASH_NEUTRAL_DEFAULTS = (("train", "val_precision", "run"),)
+HASH_NEUTRAL_DEFAULTS = (("train", "val_precision", "run"), ("meter", "profile", False))
 
 
 @dataclass
@@ -48,8 +48,10 @@ class TrainConfig:
     measure_steps: int = 3  # steps after warm-up measured phase by phase
     msssim_scales: int = 5  # MS-SSIM scales; decides the smallest trainable image
     # MS-SSIM loss computed in blocks of this many map rows (memstudy/msssim_chunked.py: same
-    # value and gradient, no full-resolution maps kept); 0 = pytorch-msssim's own autograd
-    loss_chunk_rows: int = 256
+    # value and gradient, no full-resolution maps kept); 0 = pytorch-msssim's own autograd;
+    # "auto" = the largest block that fits the memory left under the allocator's cap when the
+    # loss runs (quality.auto_chunk_rows; 256 rows on the CPU, which has no cap)
+    loss_chunk_rows: int | str = "auto"
     validate: bool = True
     # The tuned baseline a hand-written CUDA loop uses (docs/metrics.md, "Run settings"); unset
     # (None) means on for CUDA, off on the CPU, and the resolved config stores what was used.
@@ -112,9 +114,10 @@ class TrainConfig:
             raise ConfigError(f"train.lr must be > 0 (got {self.lr})")
         if not 1 <= self.msssim_scales <= 5:
             raise ConfigError(f"train.msssim_scales must be 1..5 (got {self.msssim_scales})")
-        if self.loss_chunk_rows < 0:
-            raise ConfigError(f"train.loss_chunk_rows must be >= 0, 0 = unchunked (got "
-                              f"{self.loss_chunk_rows})")
+        rows = self.loss_chunk_rows
+        if rows != "auto" and (isinstance(rows, (bool, str)) or rows < 0):
+            raise ConfigError(f"train.loss_chunk_rows must be \"auto\" or an integer >= 0 "
+                              f"(0 = unchunked), got {rows!r}")
         self.check_tuning()  # train.val_tile_rows: compose.check_val_tiles (the tiling's rule)
         if self.val_precision not in VAL_PRECISIONS:
             raise ConfigError(f"train.val_precision {self.val_precision!r} unknown; choose one of "
@@ -137,6 +140,9 @@ class MeterConfig:
     tensor: str = "auto"  # tensor-level meter: auto = on for the CPU, off on a GPU (it costs time)
     nvml: bool = True  # sample NVML device memory during phases (GPU only)
     nvml_interval_ms: float = 2.0
+    # profile the last warm-up step (GPU only, needs warmup_steps >= 2): kernel launches and
+    # GPU-busy time per step (memstudy/meters/profile.py)
+    profile: bool = False
 
     def check(self) -> None:
         if self.tensor not in ("auto", "on", "off"):

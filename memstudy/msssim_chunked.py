@@ -30,6 +30,8 @@ in float64.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from pytorch_msssim.ssim import _fspecial_gauss_1d, gaussian_filter
@@ -38,9 +40,18 @@ WIN_SIGMA = 1.5  # pytorch-msssim's default
 C1, C2 = 0.01 ** 2, 0.03 ** 2  # pytorch-msssim's (K1 data_range)^2, (K2 data_range)^2, data_range 1
 
 
-def _window(win_size: int, channels: int, like: torch.Tensor) -> torch.Tensor:
+def _constants(win_size: int, channels: int, weights: tuple[float, ...],
+               like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gaussian window and the scale weights on like's device and dtype, made once: a copy
+    from host memory in every step would be a blocking host-device sync."""
+    return _device_constants(win_size, channels, tuple(weights), like.device, like.dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _device_constants(win_size: int, channels: int, weights: tuple[float, ...],
+                      device: torch.device, dtype: torch.dtype):
     win = _fspecial_gauss_1d(win_size, WIN_SIGMA).repeat([channels, 1, 1, 1])
-    return win.to(like.device, dtype=like.dtype)
+    return win.to(device, dtype=dtype), torch.tensor(weights, dtype=dtype).to(device)
 
 
 def _pool(x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +129,11 @@ def _combine(ssim_terms: torch.Tensor, cs_terms: torch.Tensor, weights: torch.Te
     if len(weights) == 1:
         return ssim_terms[0].mean()
     stacked = torch.cat([torch.relu(cs_terms[:-1]), torch.relu(ssim_terms[-1:])], dim=0)
-    return torch.prod(stacked ** weights.view(-1, 1, 1), dim=0).mean()
+    powered = stacked ** weights.view(-1, 1, 1)
+    product = powered[0]
+    for term in powered[1:]:  # not torch.prod: its backward looks for zeros on the host (a sync)
+        product = product * term
+    return product.mean()
 
 
 def _scales(x, y, weights: torch.Tensor, win, rows: int, need: tuple[bool, bool]):
@@ -146,7 +161,7 @@ class ChunkedMSSSIM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, weights: tuple[float, ...], win_size: int, rows: int):
-        win, w = _window(win_size, x.shape[1], x), x.new_tensor(weights)
+        win, w = _constants(win_size, x.shape[1], weights, x)
         need = tuple(ctx.needs_input_grad[:2])
         ssim_terms, cs_terms, level_maps = _scales(x, y, w, win, rows, need)
         # saved through save_for_backward, so that memstudy's saved-tensor meters count them
@@ -158,7 +173,7 @@ class ChunkedMSSSIM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_value):
         ssim_terms, cs_terms, *maps = ctx.saved_tensors
-        w = ssim_terms.new_tensor(ctx.weights)
+        w = _constants(1, 1, ctx.weights, ssim_terms)[1]
         # d value / d terms: the small (levels, N, C) tensors through the library's combination
         terms = [ssim_terms.detach().requires_grad_(True), cs_terms.detach().requires_grad_(True)]
         with torch.enable_grad():
@@ -192,6 +207,6 @@ def chunked_ssim_and_msssim(x, y, weights: list[float], win_size: int,
                             rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(SSIM, MS-SSIM) of a validation batch in one chunked pass: SSIM is the finest scale's
     ssim mean, exactly pytorch-msssim's `ssim` (size_average)."""
-    win, w = _window(win_size, x.shape[1], x), x.new_tensor(weights)
+    win, w = _constants(win_size, x.shape[1], weights, x)
     ssim_terms, cs_terms, _ = _scales(x, y, w, win, rows, (False, False))
     return ssim_terms[0].mean(), _combine(ssim_terms, cs_terms, w)

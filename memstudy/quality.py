@@ -45,7 +45,13 @@ def check_image_size(size, scales: int, setting: str = "train.image_size") -> No
                           f"{setting} >= {ok} on each side or fewer train.msssim_scales")
 
 
-LOSS_CHUNK_ROWS = 256  # default train.loss_chunk_rows: map rows per block of the chunked loss
+LOSS_CHUNK_ROWS = 256  # map rows per block of the chunked loss where no allocator cap is known
+# float32 maps of one block row alive at once while the chunked loss runs a block (the five
+# stacked inputs, their filtered maps, the SSIM terms and their gradients; an upper bound of
+# the slope tests/test_loss_memory.py measures)
+BLOCK_ROW_MAPS = 32
+AUTO_ROWS_GRAIN = 64  # auto block heights are multiples of this
+AUTO_SHARE = 0.5  # of the memory left under the cap: the rest is the allocator's slack
 
 # Objects told when an MSSSIMLoss computation starts / ends and when its input's gradient is
 # ready (meters/loss.py: the recorder's LossMeter subscribes during measured steps).
@@ -56,21 +62,41 @@ class MSSSIMLoss(torch.nn.Module):
     """1 - MS-SSIM. chunk_rows > 0: the chunked computation (msssim_chunked.py: same value and
     gradient, the full-resolution maps never stored); 0: pytorch-msssim's own autograd."""
 
-    def __init__(self, scales: int = 5, chunk_rows: int = LOSS_CHUNK_ROWS):
+    def __init__(self, scales: int = 5, chunk_rows: int | str = "auto"):
         super().__init__()
         self.weights = msssim_weights(scales)
         self.chunk_rows = chunk_rows
+        self.rows_used: set[int] = set()  # block heights chosen (recorded with the run)
 
     def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         observers = list(loss_observers)
         if observers and out.requires_grad:  # the model output's gradient: loss backward done
             out.register_hook(lambda grad: _notify(observers, "loss_backward_done"))
         _notify(observers, "loss_started")
+        rows = auto_chunk_rows(out) if self.chunk_rows == "auto" else self.chunk_rows
+        self.rows_used.add(rows)
         try:
             with torch.autocast(out.device.type, enabled=False):
-                return 1 - msssim(out.float(), target.float(), self.weights, self.chunk_rows)
+                return 1 - msssim(out.float(), target.float(), self.weights, rows)
         finally:
             _notify(observers, "loss_finished")
+
+
+def auto_chunk_rows(out: torch.Tensor) -> int:
+    """The chunked loss's block height for `out`: the largest multiple of AUTO_ROWS_GRAIN
+    rows (at most the image's) whose maps fit AUTO_SHARE of what the allocator may still
+    allocate under its cap (a budget's, else the device's memory). Read from the allocator's
+    host-side counters: no device sync. On the CPU (no cap) LOSS_CHUNK_ROWS."""
+    if out.device.type != "cuda":
+        return LOSS_CHUNK_ROWS
+    batch, channels, height, width = out.shape
+    index = out.device.index if out.device.index is not None else torch.cuda.current_device()
+    cap = torch.cuda.get_per_process_memory_fraction(index) \
+        * torch.cuda.get_device_properties(index).total_memory
+    left = max(0.0, cap - torch.cuda.memory_allocated(index)) * AUTO_SHARE
+    row_bytes = BLOCK_ROW_MAPS * 4 * batch * channels * width
+    rows = int(left // row_bytes) // AUTO_ROWS_GRAIN * AUTO_ROWS_GRAIN
+    return max(AUTO_ROWS_GRAIN, min(rows, -(-height // AUTO_ROWS_GRAIN) * AUTO_ROWS_GRAIN))
 
 
 def _notify(observers: list, event: str) -> None:

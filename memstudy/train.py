@@ -26,6 +26,7 @@ import torch
 
 from memstudy.errors import ConfigError, Diverged, PhaseFailure
 from memstudy.meters import PhaseRecorder
+from memstudy.meters.profile import step_profile
 from memstudy.quality import quality
 from memstudy.runtime import MicroBatch, StepInfo
 from memstudy.techniques import shards_batch
@@ -101,9 +102,14 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
                 batches = [to_device(batches[0], in_device, input_format(cfg))]
             measured = first_measured <= state.step < last_measured
             recorder.in_warmup = state.step < first_measured
+            # the last warm-up step, after the first (autotuning, graph capture): never measured
+            profiled = (build.config.meter.profile and build.device.type == "cuda"
+                        and first_measured >= 2 and state.step == first_measured - 1)
             try:
-                loss = _train_step(model, rt, optimizer, recorder, state, batches,
-                                   (in_device, input_format(cfg)), measured)
+                with step_profile(state.series, rt.rank, build.device) if profiled \
+                        else contextlib.nullcontext():
+                    loss = _train_step(model, rt, optimizer, recorder, state, batches,
+                                       (in_device, input_format(cfg)), measured)
             except PhaseFailure as failure:
                 if not _retry_after_oom(failure, rt, optimizer, state):
                     raise

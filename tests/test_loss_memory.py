@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -154,3 +155,49 @@ def test_chunked_loss_saves_and_peaks_far_less(make_config):
             < 0.6 * (plain_fwd["cat_loss_saved_bytes"] + plain_bwd["loss_peak_bytes"]))
     # the model's own activations are the same either way
     assert fwd["cat_saved_bytes"] == plain_fwd["cat_saved_bytes"]
+
+
+def _loss_peak(rows: int, shape=(1, 1, 512, 256)) -> int:
+    """Peak live bytes of the chunked loss's forward + backward (tensor meter), inputs excluded."""
+    from memstudy.meters.tensor import LiveTensorMeter
+
+    x, y = _pair(shape)
+    x, y = x.detach().float().requires_grad_(True), y.detach().float()
+    with LiveTensorMeter() as meter:
+        loss = 1 - msssim(x, y, msssim_weights(5), chunk_rows=rows)
+        loss.backward()
+    return meter.peak
+
+
+def test_block_row_maps_bounds_the_loss_memory_per_block_row():
+    """auto_chunk_rows sizes a block with BLOCK_ROW_MAPS float32 maps per block row: the loss's
+    peak grows by at most that per added row (the slope between two block heights), and the
+    bound is not loose by more than 4x (it would then waste the memory it is meant to use)."""
+    from memstudy.quality import BLOCK_ROW_MAPS
+
+    width = 256
+    slope = (_loss_peak(256) - _loss_peak(64)) / (256 - 64)
+    row_bytes = 4 * width
+    assert slope <= BLOCK_ROW_MAPS * row_bytes, slope / row_bytes
+    assert slope >= BLOCK_ROW_MAPS * row_bytes / 4, slope / row_bytes
+
+
+def test_auto_rows_follow_the_memory_left(monkeypatch):
+    """loss_chunk_rows = auto on CUDA: the block height is what fits AUTO_SHARE of the memory left
+    under the allocator's cap (mocked allocator: no GPU needed), a multiple of the grain, at most
+    the image's rows; on the CPU the fixed LOSS_CHUNK_ROWS."""
+    import memstudy.quality as q
+
+    total, cap_fraction = 80 * 2**30, 0.05
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i=None: cap_fraction)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i=None: type("P", (), {"total_memory": total})())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    out = SimpleNamespace(device=torch.device("cuda", 0), shape=(1, 1, 4188, 4188))  # read only
+    for allocated in (0, 2 * 2**30, int(total * cap_fraction)):
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda i=None, a=allocated: a)
+        left = (total * cap_fraction - allocated) * q.AUTO_SHARE
+        want = int(left // (q.BLOCK_ROW_MAPS * 4 * 4188)) // q.AUTO_ROWS_GRAIN * q.AUTO_ROWS_GRAIN
+        want = max(q.AUTO_ROWS_GRAIN, min(want, 4224))
+        assert q.auto_chunk_rows(out) == want
+    assert q.auto_chunk_rows(torch.empty(1, 1, 300, 300)) == q.LOSS_CHUNK_ROWS

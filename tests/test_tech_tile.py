@@ -222,3 +222,29 @@ def test_keep_conv1_runs_block3_conv1_once_per_sweep(keep, calls):
     model.decoder_blocks[3].conv1[0].register_forward_hook(lambda *_: seen.append(1))
     model(torch.rand(1, 1, 128, 128)).square().mean().backward()
     assert len(seen) == calls
+
+
+def test_boundary_offload_moves_every_region_input():
+    """offload:which=boundaries moves what tile keeps between regions, not only checkpoint's
+    region inputs: with keep=all and no checkpoint, the image and every kept first-convolution
+    output (block 3's at half and block 4's at full resolution) cross to the host, once each,
+    and the gradients are those of the run without offload."""
+    from memstudy.techniques.offload import Offloader
+
+    x = torch.rand(1, 1, 128, 128)
+    grads, offloaders = [], []
+    for boundaries_only in (None, True):
+        model = build_unet(seed=0)
+        model.forward_padded = TiledForward(model, 2, tiles=2, keep="all")
+        off = Offloader(torch.device("cpu"), min_bytes=0, boundaries_only=bool(boundaries_only))
+        pack, unpack = (off.pack, off.unpack) if boundaries_only else (lambda t: t, lambda t: t)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = model(x).square().mean()
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        offloaders.append(off)
+    z3, z4 = 32 * 64 * 64 * 4, 16 * 128 * 128 * 4  # 32 ch at half, 16 ch at full resolution
+    # the image, z3, z4 and the decoder's block-3 input (64 ch, 1/4 res) each once
+    want = x.nbytes + z3 + z4 + 64 * 32 * 32 * 4
+    assert offloaders[1].offloaded_bytes == want, (offloaders[1].offloaded_bytes, want)
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])

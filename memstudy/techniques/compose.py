@@ -158,9 +158,10 @@ def build_pipeline(plan: Plan) -> Build:
     config = plan.config
     reset_global_numerics()
     apply_tuning(config)
-    runtime = Runtime(device=plan.device, batch_size=config.train.batch_size,
-                      loss_fn=MSSSIMLoss(config.train.msssim_scales, config.train.loss_chunk_rows),
+    loss = MSSSIMLoss(config.train.msssim_scales, config.train.loss_chunk_rows)
+    runtime = Runtime(device=plan.device, batch_size=config.train.batch_size, loss_fn=loss,
                       optimizer_factory=default_optimizer(config))
+    runtime.series_sources.append(lambda: _loss_rows(loss, runtime.rank))
     model = build_unet(config.encoder_weights, seed=config.train.seed)
     build = Build(config=config, plan=plan, model=model, runtime=runtime, device=plan.device)
     moved = False
@@ -176,6 +177,15 @@ def build_pipeline(plan: Plan) -> Build:
     # hook runs after the techniques' (adaptive k decides the next step's batch first)
     policy.install(build)
     return build
+
+
+def _loss_rows(loss: MSSSIMLoss, rank: int) -> list[tuple[int, int, str, float]]:
+    """The chunked loss's block heights over the run (series step 0; 0 = unchunked): with
+    train.loss_chunk_rows = auto they follow the memory left, so the run says what they were."""
+    if not loss.rows_used:
+        return []
+    return [(rank, 0, "loss_chunk_rows_min", float(min(loss.rows_used))),
+            (rank, 0, "loss_chunk_rows_max", float(max(loss.rows_used)))]
 
 
 def _place(build: Build) -> None:

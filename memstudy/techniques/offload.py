@@ -49,6 +49,7 @@ tests exercise the pack / unpack pair directly (`Offloader`, host = compute = cp
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,7 +95,9 @@ class Offloader:
         self.stream = torch.cuda.Stream(self.compute) if cuda else None
         # id(device tensor) -> (weak ref to it, its version, host copy): one copy per tensor.
         self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
-        self.offloaded_bytes = 0  # host bytes copied so far (a running total, for tests/notes)
+        self.offloaded_bytes = 0  # device -> host bytes so far (a running total)
+        self.restored_bytes = 0  # host -> device bytes so far
+        self.copy_times = CopyTimes() if cuda else None
         self._window = PrefetchWindow(self._start_copy_back, prefetch)
 
     def pack(self, packed: Any) -> Any:
@@ -161,6 +164,7 @@ class Offloader:
             restored, copied = ready
             if copied is not None:
                 stream = torch.cuda.current_stream(device)
+                self.copy_times.needed(copied, stream)
                 stream.wait_event(copied)
                 restored.record_stream(stream)  # used here: not freed for the side stream early
         self._window.advance(index)
@@ -169,24 +173,87 @@ class Offloader:
     def _copy_back(self, host: torch.Tensor, device: torch.device, event: Any) -> torch.Tensor:
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
+        self.restored_bytes += host.nbytes
         if device == host.device:
             return host.clone()  # CPU tests: a fresh tensor, as a real copy back would be
-        return host.to(device, non_blocking=self.pin_memory)
+        stream = torch.cuda.current_stream(device)
+        with self.copy_times.on_demand(stream):  # on the compute stream: exposed in full
+            return host.to(device, non_blocking=self.pin_memory)
 
     def _start_copy_back(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """A prefetch: the copy back issued on the side stream (ordered after the copy out)."""
         device = getattr(host, OFFLOADED)[0]
         if self.stream is None:
             return self._copy_back(host, device, None), None
+        self.restored_bytes += host.nbytes
         with torch.cuda.stream(self.stream):
+            started = self.copy_times.start(self.stream)
             restored = host.to(device, non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event(enable_timing=True)
             copied.record(self.stream)
+        self.copy_times.prefetched(started, copied)
         return restored, copied
 
     @property
-    def stats(self) -> dict[str, int]:
-        return self._window.stats
+    def transfer_stats(self) -> dict[str, float]:
+        """Bytes each way and, on CUDA, the copies back's time and the part of it the compute
+        stream waited for (exposed on the critical path). Read once the device is idle (the end
+        of a run): events still pending are left out of the times."""
+        found = {"d2h_bytes": float(self.offloaded_bytes), "h2d_bytes": float(self.restored_bytes)}
+        if self.copy_times is not None:
+            found.update(self.copy_times.totals())
+        return found
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {**self._window.stats, **self.transfer_stats}
+
+
+class CopyTimes:
+    """How long backward's copies back took, and how much of that the compute stream waited.
+
+    Timed with CUDA events only (no host sync inside a step): a prefetched copy is bracketed on
+    the side stream, and when the compute stream needs it an event there marks the moment; the
+    copy is exposed by max(0, copy end - need). A copy made on demand runs on the compute stream
+    itself, so all of it is exposed. The events are read in `totals`, when the device is idle."""
+
+    def __init__(self):
+        self._prefetched: dict[int, list] = {}  # id(end event) -> [start, end, need or None]
+        self._on_demand: list[tuple[Any, Any]] = []
+
+    @staticmethod
+    def start(stream) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def prefetched(self, started, copied) -> None:
+        self._prefetched[id(copied)] = [started, copied, None]
+
+    def needed(self, copied, stream) -> None:
+        entry = self._prefetched.get(id(copied))
+        if entry is not None and entry[2] is None:
+            entry[2] = self.start(stream)
+
+    @contextlib.contextmanager
+    def on_demand(self, stream):
+        started = self.start(stream)
+        yield
+        self._on_demand.append((started, self.start(stream)))
+
+    def totals(self) -> dict[str, float]:
+        copy_ms = exposed_ms = 0.0
+        for started, copied, need in self._prefetched.values():
+            if not copied.query() or (need is not None and not need.query()):
+                continue
+            copy_ms += started.elapsed_time(copied)
+            if need is not None:
+                exposed_ms += max(0.0, need.elapsed_time(copied))
+        for started, ended in self._on_demand:
+            if ended.query():
+                duration = started.elapsed_time(ended)
+                copy_ms, exposed_ms = copy_ms + duration, exposed_ms + duration
+        return {"h2d_copy_ms": copy_ms, "h2d_exposed_ms": exposed_ms}
 
 
 class PrefetchWindow:

@@ -20,7 +20,13 @@ convolution (128 input channels at half resolution, the tiled levels' costliest)
 per sweep of its own small region instead of in every sweep of the top region, for one more kept
 half-resolution tensor (32 channels). Measured: docs/techniques/tile.md.
 
-Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`, `tile:16:keep=conv1`):
+Host cost: a tile body is a few hundred small kernels, launched per tile and sweep; with many
+tiles the GPU waits on the host. `graphs=true` replays each body as a CUDA graph captured once
+per region, sweep and strip shape (memstudy/tiling/graphs.py): same kernels, same values, one
+launch per tile, for staging copies of each strip and a memory pool that holds one tile's
+working memory for the whole step.
+
+Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`, `tile:16:keep=conv1`, `tile:16:graphs=true`):
 - `tiles` (positional): number of row strips (near-equal; 0 with rows=0 means 4);
 - `rows`: rows per strip at full resolution instead (a multiple of 2**levels; the last strip
   may be shorter);
@@ -40,12 +46,13 @@ tri_accel:precision (per-unit autocast set by wrapping block forwards that tile 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from memstudy.errors import ConfigError
 from memstudy.models.unet import STRIDE
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.tiling.graphs import CudaGraphs, TileGraphs
 from memstudy.tiling.levels import check_keep, check_levels, min_tile_rows
 from memstudy.tiling.unet import TiledForward
 
@@ -73,11 +80,19 @@ class Options:
         "help": "kept boundaries between decoder regions: none, conv1 (each tiled skip "
                 "block's first convolution output) or all (every tiled decoder block's): "
                 "fewer recompute sweeps, more memory"})
+    graphs: bool = field(default=False, metadata={
+        "help": "replay each tile body as a CUDA graph, captured once per region, sweep and "
+                "strip shape (GPU only): the per-tile host cost paid once"})
+    graph_limit: int = field(default=256, metadata={
+        "help": "graphs: most graphs captured; a run whose strips keep changing shape stops "
+                "there (or see graph_fallback)"})
+    graph_fallback: bool = field(default=False, metadata={
+        "help": "graphs: past graph_limit run further shapes eagerly (the run records how many "
+                "tiles did: series tile_eager_tiles) instead of stopping"})
 
 
 def resolved(opts: Options) -> Options:
-    return Options(tiles=opts.tiles or (0 if opts.rows else DEFAULT_TILES), rows=opts.rows,
-                   levels=opts.levels, keep=opts.keep)
+    return replace(opts, tiles=opts.tiles or (0 if opts.rows else DEFAULT_TILES))
 
 
 def check(opts: Options, plan: Plan) -> None:
@@ -100,9 +115,21 @@ def check(opts: Options, plan: Plan) -> None:
                           f"of the {height}-row padded image, smaller than the {halo}-row halo; "
                           f"use tiles <= {height // halo}")
     _check_composition(plan)
+    _check_graphs(opts, plan)
     if opts.levels >= 3 and plan.has("invertible"):
         raise ConfigError("tile:levels=3 tiles layer1, whose BasicBlocks invertible replaces with "
                           "momentum blocks; use tile:levels=2 with invertible, or drop invertible")
+
+
+def _check_graphs(opts: Options, plan: Plan) -> None:
+    if opts.graph_limit < 1:
+        raise ConfigError(f"tile:graph_limit={opts.graph_limit} must be >= 1")
+    if not opts.graphs:
+        return
+    if plan.device.type != "cuda":
+        raise ConfigError(f"tile:graphs=true replays tile bodies as CUDA graphs, but train.device "
+                          f"resolves to {plan.device}; set tile:graphs=false or train.device = "
+                          "'cuda'")
 
 
 def _padded_height(size) -> int | None:
@@ -136,9 +163,21 @@ def apply(opts: Options, build: Build) -> None:
     model = build.model
     if not hasattr(model, "forward_padded"):
         raise ConfigError("tile: the model has no forward_padded to tile; drop tile")
-    model.forward_padded = TiledForward(model, opts.levels, opts.tiles, opts.rows, opts.keep)
-    build.notes["tile"] = {"levels": opts.levels, "tiles": opts.tiles, "rows": opts.rows,
-                           "keep": opts.keep, "halo_rows": min_tile_rows(opts.levels, opts.keep)}
+    notes = build.notes["tile"] = {"levels": opts.levels, "tiles": opts.tiles, "rows": opts.rows,
+                                   "keep": opts.keep,
+                                   "halo_rows": min_tile_rows(opts.levels, opts.keep)}
+    graphs = None
+    if opts.graphs:
+        graphs = TileGraphs(CudaGraphs(), opts.graph_limit, opts.graph_fallback, notes)
+        build.runtime.series_sources.append(lambda: _graph_rows(graphs, build.runtime.rank))
+    model.forward_padded = TiledForward(model, opts.levels, opts.tiles, opts.rows, opts.keep,
+                                        graphs)
+
+
+def _graph_rows(graphs: TileGraphs, rank: int) -> list[tuple[int, int, str, float]]:
+    """The run's graph counts (series step 0): graphs captured, tiles run eagerly past the limit."""
+    return [(rank, 0, f"tile_{name}", float(graphs.record[name]))
+            for name in ("graphs_captured", "eager_tiles")]
 
 
 register(Technique("tile", Stage.ACTIVATION, Options,

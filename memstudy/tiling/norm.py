@@ -66,7 +66,9 @@ class NormReLU(torch.autograd.Function):
             sum_dy, sum_dy_xmu, grad_w, grad_b = torch.batch_norm_backward_reduce(
                 dy, z, mean, invstd, weight, True, True, True)
             zero = torch.zeros_like(sum_dy)
-            count = torch.tensor([z.numel() // z.shape[1]], dtype=torch.int32, device=z.device)
+            # torch.full is a fill kernel; torch.tensor([...], device=...) would copy from
+            # pageable host memory, a blocking sync in every backward
+            count = torch.full((1,), z.numel() // z.shape[1], dtype=torch.int32, device=z.device)
             grad_z = torch.batch_norm_backward_elemt(dy, z, mean, invstd, weight, zero, zero,
                                                      count)
         else:

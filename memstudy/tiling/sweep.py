@@ -30,11 +30,12 @@ uses its running statistics and gets no `_Stats` at all (the exact tiled inferen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from memstudy.runtime import mark_boundary
 from memstudy.tiling.geometry import Path, Tile
 from memstudy.tiling.norm import Stats, memory_format_of, moments, normalize
 
@@ -110,6 +111,7 @@ class Sweep:
     tiles: list[Tile]
     autocast: tuple[str, bool, torch.dtype]
     recording: bool = False  # the forward ran with grad enabled: backward will follow
+    graphs: Any = None  # memstudy.tiling.graphs.TileGraphs: tile bodies replayed as CUDA graphs
     input_grads: list = field(init=False)  # per input: the shared buffer, or None
     pending: list = field(init=False)  # per input: Functions yet to add into it
 
@@ -155,9 +157,10 @@ def flatten_stats(stats: Sequence[Stats | None]) -> list[torch.Tensor | None]:
     return [t for s in stats for t in (s if s is not None else (None, None))]
 
 
-def merge(acc: tuple[float, torch.Tensor, torch.Tensor] | None, z: torch.Tensor):
-    """Chan et al.'s parallel update of (count, mean, M2) with one tile's owned rows."""
-    n, mean, var = moments(z)
+def merge(acc: tuple[float, torch.Tensor, torch.Tensor] | None,
+          tile_moments: tuple[int, torch.Tensor, torch.Tensor]):
+    """Chan et al.'s parallel update of (count, mean, M2) with one tile's (count, mean, var)."""
+    n, mean, var = tile_moments
     if acc is None:
         return n, mean, var * n
     n0, mean0, m2 = acc
@@ -172,8 +175,11 @@ class _Stats(torch.autograd.Function):
         inputs, stats, _ = sweep.unpack(tensors)
         acc = None
         for tile in sweep.tiles:
-            acc = merge(acc, TileRun(sweep.region, tile, stats, target=k)(
-                strips_of(sweep.region, tile, inputs)))
+            if sweep.graphs is not None:
+                acc = merge(acc, sweep.graphs.moments(sweep, tile, inputs, stats, k))
+            else:
+                acc = merge(acc, moments(TileRun(sweep.region, tile, stats, target=k)(
+                    strips_of(sweep.region, tile, inputs))))
         count, mean, m2 = acc
         counts[k] = count
         var = m2 / count
@@ -190,16 +196,10 @@ class _Stats(torch.autograd.Function):
         sweep, count = ctx.sweep, ctx.count
         region = sweep.region
 
-        # centred first: a + b * z with a = -b * mean would cancel catastrophically in float32
-        scale, shift = 2 * g_var / count, g_mean / count
-
-        def grad_of(tile: Tile, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            centred = z.detach() - mean[:, None, None]
-            coef = torch.addcmul(shift[:, None, None], centred, scale[:, None, None])
-            return z, coef.to(z.dtype)
-
+        # d stats / d z_k is affine in z_k per channel: g_mean / N + 2 g_var (z - mean) / N
+        seed = StatsSeed(mean, 2 * g_var / count, g_mean / count)
         grads = backprop_tiles(sweep, list(saved) + region.params(), ctx.needs_input_grad[3:],
-                               ctx.k, grad_of)
+                               ctx.k, seed)
         return (None, None, None, *grads)
 
 
@@ -209,7 +209,10 @@ class _Apply(torch.autograd.Function):
         inputs, stats, _ = sweep.unpack(tensors)
         out = None
         for tile in sweep.tiles:
-            part = TileRun(sweep.region, tile, stats)(strips_of(sweep.region, tile, inputs))
+            if sweep.graphs is not None:
+                part = sweep.graphs.output(sweep, tile, inputs, stats)
+            else:
+                part = TileRun(sweep.region, tile, stats)(strips_of(sweep.region, tile, inputs))
             if out is None:
                 out = _full_like(part, inputs, sweep)
             factor = part.shape[-2] // (tile.own[1] - tile.own[0])
@@ -222,14 +225,35 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         sweep = ctx.sweep
-
-        def grad_of(tile: Tile, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            factor = part.shape[-2] // (tile.own[1] - tile.own[0])
-            return part, grad_out[..., factor * tile.own[0]:factor * tile.own[1], :]
-
         grads = backprop_tiles(sweep, list(ctx.saved_tensors) + sweep.region.params(),
-                               ctx.needs_input_grad[1:], None, grad_of)
+                               ctx.needs_input_grad[1:], None, ApplySeed(grad_out))
         return (None, *grads)
+
+
+@dataclass
+class ApplySeed:
+    """_Apply's backward: each tile's owned output rows get their rows of grad_out."""
+    grad_out: torch.Tensor
+
+    def rows(self, tile: Tile, factor: int) -> torch.Tensor:
+        """The rows of grad_out that `tile` owns (grad_out at `factor` x the coarse grid)."""
+        return self.grad_out[..., factor * tile.own[0]:factor * tile.own[1], :]
+
+
+@dataclass
+class StatsSeed:
+    """_Stats k's backward: the gradient of (mean, var) with respect to a tile's owned z_k,
+    shift + scale * (z - mean) per channel. Centred first: a + b * z with a = -b * mean would
+    cancel catastrophically in float32."""
+    mean: torch.Tensor
+    scale: torch.Tensor
+    shift: torch.Tensor
+
+    @staticmethod
+    def affine(z: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor,
+               shift: torch.Tensor) -> torch.Tensor:
+        centred = z.detach() - mean[:, None, None]
+        return torch.addcmul(shift[:, None, None], centred, scale[:, None, None]).to(z.dtype)
 
 
 def _full_like(part: torch.Tensor, inputs: list[torch.Tensor], sweep: Sweep) -> torch.Tensor:
@@ -241,23 +265,42 @@ def _full_like(part: torch.Tensor, inputs: list[torch.Tensor], sweep: Sweep) -> 
 
 
 def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: int | None,
-                   grad_of: Callable) -> list:
+                   seed: ApplySeed | StatsSeed) -> list:
     """Recompute every tile with grad and backpropagate its owned rows (see module docstring);
     returns one gradient (or None) per entry of `tensors` = inputs, flat stats, params."""
+    if sweep.graphs is not None:
+        grads = sweep.graphs.backward(sweep, tensors, needs, target, seed)
+    else:
+        grads = backprop_eager(sweep, tensors, needs, target, seed)
+    for i in range(sweep.n_inputs):
+        if needs[i]:
+            grads[i] = sweep.settle(i)
+    return grads
+
+
+def grad_seed(seed: ApplySeed | StatsSeed, tile: Tile, out: torch.Tensor) -> torch.Tensor:
+    if isinstance(seed, ApplySeed):
+        return seed.rows(tile, out.shape[-2] // (tile.own[1] - tile.own[0]))
+    return StatsSeed.affine(out, seed.mean, seed.scale, seed.shift)
+
+
+def backprop_eager(sweep: Sweep, tensors: list, needs: Sequence[bool], target: int | None,
+                   seed: ApplySeed | StatsSeed, tiles: Sequence[Tile] | None = None) -> list:
+    """backprop_tiles over `tiles` (default: all of the sweep's), tile by tile as written."""
     region = sweep.region
     inputs, stats, params = sweep.unpack(tensors)
     n, m = sweep.n_inputs, 2 * len(region.norms)
     grads: list = [None] * len(tensors)
     device_type, enabled, dtype = sweep.autocast
-    for tile in sweep.tiles:
+    for tile in sweep.tiles if tiles is None else tiles:
         with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
             strips = [s.detach().requires_grad_(needs[i]) for i, s in
                       enumerate(strips_of(region, tile, inputs))]
             flat = [None if t is None else t.detach().requires_grad_(needs[n + i])
                     for i, t in enumerate(flatten_stats(stats))]
             leaves = strips + flat + list(params)
-            out, grad_out = grad_of(tile, TileRun(region, tile, sweep.unpack(
-                [*strips, *flat])[1], target)(strips))
+            out = TileRun(region, tile, sweep.unpack([*strips, *flat])[1], target)(strips)
+            grad_out = grad_seed(seed, tile, out)
             wanted = [i for i, t in enumerate(leaves) if t is not None and needs[i]]
             if not wanted:
                 continue
@@ -272,9 +315,6 @@ def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: i
                 sweep.input_grad(i, inputs[i])[..., f * q0:f * q1, :] += g
             else:
                 grads[i] = g if grads[i] is None else grads[i] + g
-    for i in range(n):
-        if needs[i]:
-            grads[i] = sweep.settle(i)
     return grads
 
 
@@ -285,9 +325,14 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
 
 
 def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
-               shared: Sequence[Stats] = ()) -> tuple[torch.Tensor, list[Stats]]:
+               shared: Sequence[Stats] = (), graphs: Any = None
+               ) -> tuple[torch.Tensor, list[Stats]]:
     """The region's output over the whole image, and the statistics every norm used."""
-    sweep = Sweep(region, tiles, autocast_state(inputs[0].device.type), torch.is_grad_enabled())
+    # the inputs are what the region's Functions save: kept boundaries, which transforms
+    # restricted to boundaries (offload / compress which=boundaries) must see
+    mark_boundary(*inputs)
+    sweep = Sweep(region, tiles, autocast_state(inputs[0].device.type), torch.is_grad_enabled(),
+                  graphs)
     params = region.params()
     stats: list[Stats | None] = list(shared) + [None] * (len(region.norms) - region.shared)
     counts: dict[int, int] = {}

@@ -32,6 +32,7 @@ from memstudy.errors import ConfigError
 from memstudy.tiling.chain import (LAST_BLOCK, LAYER1_BLOCKS, RegionSpec, decoder_walk,
                                    region_specs, stem_walk, trace)
 from memstudy.tiling.geometry import halo, plan_tiles, split_rows
+from memstudy.tiling.graphs import TileGraphs
 from memstudy.tiling.levels import check_keep, check_levels
 from memstudy.tiling.sweep import Region, TileRun, run_region
 
@@ -152,11 +153,14 @@ class TiledForward:
     """Replaces `ContrastUNet.forward_padded` on an instance: same function, tiled top levels."""
 
     def __init__(self, unet: nn.Module, levels: int = 2, tiles: int = 0, rows: int = 0,
-                 keep: str = "conv1"):
+                 keep: str = "conv1", graphs: TileGraphs | None = None):
+        """`graphs`: replay the tile bodies as CUDA graphs (memstudy/tiling/graphs.py); None
+        runs them eagerly."""
         check_levels(levels, "tile:levels")
         check_keep(keep, "tile:keep")
         check_model(unet, levels)
         self.unet, self.levels, self.tiles, self.rows, self.keep = unet, levels, tiles, rows, keep
+        self.graphs = graphs
         self.specs = region_specs(levels, keep)
         self.regions = {spec.name: build_region(unet, spec, levels) for spec in self.specs}
         self.halos = {name: halo(region.paths) for name, region in self.regions.items()}
@@ -175,7 +179,8 @@ class TiledForward:
         enc, dec = self.unet.encoder, self.unet.decoder
         shared, f1 = (), None
         if self.levels >= 2:
-            low, stem_stats = run_region(self.regions["stem"], tiles["stem"], [x])
+            low, stem_stats = run_region(self.regions["stem"], tiles["stem"], [x],
+                                         graphs=self.graphs)
             shared = stem_stats[:1]  # bn1's, which the decoder's stem skip uses
         else:
             f1 = enc.relu(enc.bn1(enc.conv1(x)))
@@ -192,6 +197,6 @@ class TiledForward:
         for spec in self.specs[1 if self.levels >= 2 else 0:]:
             region = self.regions[spec.name]
             out, _ = run_region(region, tiles[spec.name], [values[n] for n in spec.inputs],
-                                shared[:region.shared])
+                                shared[:region.shared], self.graphs)
             values[f"z{spec.stop}"] = out
         return out
