@@ -21,19 +21,20 @@ def server():
     srv.close()
 
 
-def test_a_forked_cell_runs_its_command_with_its_environment(server, tmp_path):
+def test_a_forked_cell_runs_its_command_into_its_log_with_its_exit_status(server, tmp_path):
     log = tmp_path / "cell.log"
-    cell = server.popen(["techniques"], {"CUDA_VISIBLE_DEVICES": "7", "MEMSTUDY_X": "1"}, log)
+    cell = server.popen(["-m", "memstudy", "techniques"], {}, log)
     assert cell.wait() == 0
     assert "checkpoint" in log.read_text()  # `memstudy techniques` listed them into the log
     assert os.getpgid(os.getpid()) != cell.pid  # its own group (the pid is gone by now)
-    failing = server.popen(["run", "--size", "abc"], {}, tmp_path / "bad.log")
+    failing = server.popen(["-m", "memstudy", "run", "--size", "abc"], {},
+                           tmp_path / "bad.log")
     assert failing.wait() == 2
     assert "memstudy: error: train.image_size = 'abc'" in (tmp_path / "bad.log").read_text()
 
 
 def test_a_forked_cell_is_killed_with_its_process_group(server, tmp_path):
-    cell = server.popen(["run", "--size", "192", "--epochs", "50", "-q"], {},
+    cell = server.popen(["-m", "memstudy", "run", "--size", "192", "--epochs", "50", "-q"], {},
                         tmp_path / "long.log")
     assert cell.poll() is None
     deadline = time.time() + 30
@@ -52,7 +53,7 @@ def test_a_forked_cell_starts_without_paying_the_imports(server, tmp_path):
     """The fixed cost the server removes: a cell that loads every technique module (torch
     included) returns far sooner forked than as a fresh interpreter."""
     start = time.perf_counter()
-    assert server.popen(["techniques"], {}, tmp_path / "f.log").wait() == 0
+    assert server.popen(["-m", "memstudy", "techniques"], {}, tmp_path / "f.log").wait() == 0
     forked = time.perf_counter() - start
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "memstudy", "techniques"], check=True,

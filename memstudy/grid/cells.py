@@ -94,7 +94,7 @@ class CellProcess:
         cmd = [sys.executable, "-m", "memstudy", "--db", self.db_path, "run", "--config", str(toml)]
         if (server := forkserver.server()) is not None:  # imports paid once (grid/forkserver.py)
             cells = {"MEMSTUDY_CACHE": str(folder / "phantoms")}  # phantoms made once per grid
-            self.proc = server.popen(cmd[3:], {**cells, **env}, self.log_path)
+            self.proc = server.popen(cmd[1:], {**cells, **env}, self.log_path)
             self.started = time.time()
             return
         parent = os.getpid()

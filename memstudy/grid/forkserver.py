@@ -7,7 +7,8 @@ CUDA, and forks a child per cell: the child starts with every module loaded and 
 CUDA context and caching allocator on first use, exactly as a fresh process would, so what a
 cell measures is unchanged (the server checks it has not initialised CUDA before each fork).
 
-Each child runs `memstudy <argv>` (the same command line a subprocess cell would run) in its
+Each child runs the cell's command line (`-m memstudy --db ... run --config ...`, what a
+subprocess cell would give the interpreter, run by runpy as `python -m` does) in its
 own process group (a timeout kills it and what it started), with the
 cell's environment (CUDA_VISIBLE_DEVICES is read when CUDA starts, in the child), its output in
 the cell's log, and dies with the server, which dies with the grid runner (PR_SET_PDEATHSIG).
@@ -15,7 +16,7 @@ Phantoms are cached on disk beside the cells (`$MEMSTUDY_CACHE`, unless set), so
 generated once per grid. `MEMSTUDY_FORKSERVER=0` starts each cell as a subprocess instead.
 
 Protocol (one Unix-socket connection per cell): the runner sends one JSON line
-{"argv", "env", "log"}; the server answers {"pid"} when the child is forked and {"returncode"}
+{"argv" (the interpreter's arguments), "env", "log"}; the server answers {"pid"} when the child is forked and {"returncode"}
 (negative: killed by that signal) when it has exited.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import runpy
 import selectors
 import signal
 import socket
@@ -123,7 +125,6 @@ def _warm_imports() -> None:
     import torch  # noqa: F401
     import segmentation_models_pytorch  # noqa: F401
 
-    import memstudy.cli  # noqa: F401
     import memstudy.runner  # noqa: F401
     from memstudy.techniques import list_techniques
 
@@ -131,7 +132,8 @@ def _warm_imports() -> None:
 
 
 def _run_child(request: dict, listener: socket.socket, conns: list[socket.socket]) -> None:
-    """In the forked child: become the cell's own session, then run `memstudy <argv>`."""
+    """In the forked child: the cell's own process group, environment and log, then its
+    command line as `python -m` would run it."""
     try:
         os.setpgid(0, 0)  # the cell's own process group (the server sets it too: no race)
         _die_with(os.getppid())
@@ -143,10 +145,12 @@ def _run_child(request: dict, listener: socket.socket, conns: list[socket.socket
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        from memstudy.cli import main
-
-        sys.argv = ["memstudy", *request["argv"]]
-        code = main(request["argv"])
+        flag, module, *args = request["argv"]  # `-m memstudy ...`, as the interpreter gets it
+        if flag != "-m":
+            raise ValueError(f"the fork server runs `-m module ...` command lines, not {flag!r}")
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
