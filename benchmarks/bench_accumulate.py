@@ -1,6 +1,6 @@
-"""Gradient accumulation against the larger batch (seeds/002 eq. 4-9): GPU benchmark, run by the lead.
+"""Gradient accumulation against the larger batch ([Compute-Opt] (docs/references.md) eq. 4-9): GPU benchmark, run by the lead.
 
-    python benchmarks/bench_accumulate.py --out benchmarks/results/accumulate [--sizes 1024 2048]
+    python benchmarks/bench_accumulate.py --out benchmarks/results/h100/accumulate [--sizes 1024 2048]
 
 At each size, one effective batch B (default 8) trained four ways: batch B (k = 1), and
 batch B/k with `accumulate:k` for k = 2, 4, 8 (the same images per optimizer step, the same

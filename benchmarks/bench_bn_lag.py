@@ -7,7 +7,7 @@ eval-mode forward of the validation images, how far BatchNorm's running mean lag
 mean (in batch standard deviations, worst channel) and the validation loss (eval mode, same
 precision). Writes DIR/bn_lag.md; docs/metrics.md ("Validation early in training") reads it.
 
-    python benchmarks/bench_bn_lag.py --out benchmarks/results/cpu --device cpu --size 512
+    python benchmarks/bench_bn_lag.py --out benchmarks/results/cpu/bn-lag --device cpu --size 512
     python benchmarks/bench_bn_lag.py --out $OUT --size 2048 --precisions fp32,fp16
 """
 from __future__ import annotations

@@ -28,7 +28,7 @@ step time, first-step and compile time, and the peak as a ratio to amp:bf16+chec
 same size. Each row is printed and both files rewritten as it finishes, so a run cut by a
 time limit (gpu.sh sends SIGINT) keeps its rows.
 
-Duration on one H100 (session 3's partial run: 20-30 s per eager run, 88 s for the first
+Duration on one H100 (a partial run, 2026-11-22: 20-30 s per eager run, 88 s for the first
 compile at 2048 px): part compile about 4-5 min per size, part allocator about 3-4 min per
 size; gpu.sh runs each size as its own step.
 """

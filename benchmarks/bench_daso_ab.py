@@ -25,7 +25,7 @@ from pathlib import Path
 
 from memstudy.config import RunConfig
 from memstudy.launch import run_distributed
-from memstudy.runner import eprint  # a module-level function: spawn pickles it
+from memstudy.console import eprint  # a module-level function: spawn pickles it
 
 
 def config(size: int, images: int, epochs: int, techniques: list[str], device: str,

@@ -7,7 +7,7 @@ DIR/distributed.md summarises, per image size and combination: per-rank forward 
 whether a run fits), device memory from NVML, time per epoch, validation loss, and the
 strong-scaling efficiency of DP from 1 to 2 GPUs (same global batch: T1 / (2 * T2)).
 
-    python benchmarks/bench_distributed.py --out benchmarks/results/h200x2
+    python benchmarks/bench_distributed.py --out benchmarks/results/h200x2/distributed
     python benchmarks/bench_distributed.py --out /tmp/q --sizes 512 --epochs 1 --quick
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Fused per-unit gradient statistics (Triton) vs PyTorch: GPU benchmark, run by the lead.
 
-    python benchmarks/bench_kernels.py --out benchmarks/results/kernels
+    python benchmarks/bench_kernels.py --out benchmarks/results/h100/kernels
 
 Gradients shaped like the U-Net/ResNet-34's parameters (24.4 M), grouped into its 11
 Tri-Accel units (or into one segment per parameter tensor, --per-tensor). Timed with CUDA

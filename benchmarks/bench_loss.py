@@ -5,8 +5,8 @@
 
 memstudy computes 1 - MS-SSIM in row blocks by default (`train.loss_chunk_rows = 256`,
 memstudy/msssim_chunked.py): it saves one gradient map per scale (4/3 of an image), where
-pytorch-msssim saves about a dozen full-resolution maps (978 MB at 4188 px, session 3), but it
-launches the kernels of every block separately (and, before session 9, ran every block's
+pytorch-msssim saves about a dozen full-resolution maps (978 MB at 4188 px, H100, 2026-11-22), but it
+launches the kernels of every block separately (and, until 2026-11-23, ran every block's
 filters twice). bench_overhead times memstudy with `loss_chunk_rows = 0`, the loop's loss;
 this benchmark measures what the default costs.
 

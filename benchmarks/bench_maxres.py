@@ -1,6 +1,6 @@
 """Largest trainable square image under an 8 GiB budget on one GPU (issue 4), predicted and found.
 
-    python benchmarks/bench_maxres.py --out benchmarks/results            # GPU 0, 8GiB
+    python benchmarks/bench_maxres.py --out benchmarks/results/h200/technique-grid   # GPU 0, 8GiB
     python benchmarks/bench_maxres.py --out /tmp/mx --gpu 1 --budget 6GiB
 
 For Original, AMP bf16, Chkp, AMP+Chkp, AMP+Chkp+Mom (invertible residuals, the study's
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu  # before torch sees the GPUs; probes inherit it
     from memstudy.maxres import search_all
-    from memstudy.runner import eprint
+    from memstudy.console import eprint
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -215,7 +215,7 @@ def pooled(runs: list[dict]) -> dict:
 def measure_row(name: str, size: int, pair, args, cache_dir: str,
                 loop_timer=time_loop, memstudy_timer=time_memstudy) -> dict:
     """Loop, lean loop and memstudy measured in turn, `args.repeats` rounds, so that a drift of
-    the GPU's clocks or temperature over the row falls on every side alike (in session 5 the
+    the GPU's clocks or temperature over the row falls on every side alike (on 2026-11-22 the
     loop always ran first)."""
     techniques = SETS[name]
     sides: dict[str, list[dict]] = {"loop": [], "lean": [], "memstudy": []}
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "(replaces --sizes / --sets)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per side (the first "
                                                          "autotunes cuDNN)")
-    # 24 x 3, not 8 x 2: at 2048 px amp:bf16 (46 ms steps, H100 session 7) the loop's own
+    # 24 x 3, not 8 x 2: at 2048 px amp:bf16 (46 ms steps, H100, 2026-11-23) the loop's own
     # median moved 10% between two rounds of 8, five times the 2% being judged
     p.add_argument("--steps", type=int, default=24, help="timed steps per side")
     p.add_argument("--repeats", type=int, default=3,

@@ -9,7 +9,7 @@ backward MB (each phase's peak above its start, the study's increment; docs/repo
 time per epoch, ours next to the paper's.
 
     python benchmarks/bench_paper.py results/paper.sqlite [--format md] [--gpu H100]
-    python benchmarks/bench_paper.py --estimate benchmarks/results/h200/gpu.sqlite
+    python benchmarks/bench_paper.py --estimate benchmarks/results/h200/technique-grid/gpu.sqlite
 
 --estimate prints the grid's training steps and, from the 512 px step times recorded in the
 given database, how long the protocol would take on that GPU (one cell at a time).

@@ -1,6 +1,6 @@
-"""Tri-Accel on the U-Net (seeds/000 Tables 1 and 2, adapted): GPU benchmark, run by the lead.
+"""Tri-Accel on the U-Net ([Tri-Accel] (docs/references.md) Tables 1 and 2, adapted): GPU benchmark, run by the lead.
 
-    python benchmarks/bench_triaccel.py --out benchmarks/results/triaccel [--sizes 1024 2048]
+    python benchmarks/bench_triaccel.py --out benchmarks/results/h100/triaccel [--sizes 1024 2048]
         [--parts stats ablation] [--tri-extra ":tau_low=1e-7:tau_high=1e-3"]
 
 Part `stats` (triaccel_stats.md): the per-unit gradient statistics, median of 50 launches
@@ -21,7 +21,7 @@ Configurations (cumulative, as the paper's ablation):
   tri_accel   all three parts
 --tri-extra appends options to every tri_accel spec (e.g. thresholds found by
 `memstudy tune benchmarks/specs/tune-triaccel.toml`); --tuned DB appends the best recorded
-trial's tau_low / tau_high / tau_curv of that search (memstudy.tune_results.best_trials over
+trial's tau_low / tau_high / tau_curv of that search (memstudy.tune.results.best_trials over
 --tune-spec in DB), named with its run id in triaccel.md (gpu.sh step triaccel-tuned). Every run: synthetic phantoms, batch 1 to start, validation in float32, the same epochs, a budget of 16 GiB (the
 paper's T4/P100 cards, emulated by memstudy's allocator cap), every step after one warm-up
 step measured so the peak covers the whole run. Writes triaccel.sqlite and triaccel.md
@@ -87,7 +87,7 @@ def main() -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--epochs", type=int, default=2)
-    # 24, not 8: with the elastic batch at 2-4 an epoch of 8 was ~4 steps (H100 session 7)
+    # 24, not 8: with the elastic batch at 2-4 an epoch of 8 was ~4 steps (H100, 2026-11-23)
     p.add_argument("--train-images", type=int, default=24)
     p.add_argument("--target", type=float, default=0.4,
                    help="train.target_val_loss (1 - MS-SSIM) for time_to_target_s")
@@ -141,7 +141,7 @@ def main() -> int:
 def tuned_options(args) -> str:
     """':tau_low=..:tau_high=..:tau_curv=..' of the best recorded trial of --tune-spec in --tuned."""
     from memstudy.tune import load_spec
-    from memstudy.tune_results import best_trials
+    from memstudy.tune.results import best_trials
 
     if not args.tuned.is_file():
         sys.exit(f"--tuned {args.tuned}: no such database (run gpu.sh step tune-triaccel first)")

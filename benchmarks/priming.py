@@ -2,7 +2,7 @@
 
 In one process the first run at a given shape and dtype pays cuDNN autotuning
 (`cudnn.benchmark`), lazy CUDA / cuBLAS initialisation and the first compilation of Triton
-kernels. On an H100 that was 10-20 s against runs of 6-13 s (bench_accumulate, session 5: 18 s
+kernels. On an H100 that was 10-20 s against runs of 6-13 s (bench_accumulate, 2026-11-22: 18 s
 for the first k of a size, 6-8 s for the others). Per-step figures exclude it (warm-up), but
 the run-level ones do not: `energy_j`, `time_to_target_s` and wall time would charge it to
 whichever variant happens to run first. Priming runs each configuration once with no database,

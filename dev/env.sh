@@ -5,7 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MEMSTUDY_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
-if ! "$PY" -c "import memstudy, torchvision, segmentation_models_pytorch, nbclient, plotly, submitit" 2>/dev/null; then
+if ! "$PY" -c "import memstudy, torchvision, segmentation_models_pytorch, nbclient, plotly, submitit, xdist, pytest_timeout" 2>/dev/null; then
     echo "dev/env.sh: creating $VENV (first run: downloads torch, a few GB)" >&2
     # torch's CUDA build and its libraries take about 6 GB installed: say so up front, since
     # pip reports a full disk only at the end, as "[Errno 28] No space left on device"

@@ -10,9 +10,10 @@ from pathlib import Path
 from memstudy.config import RunConfig, load_toml, set_value, split_techniques
 from memstudy.errors import ConfigError, MemstudyError
 from memstudy.phases import TRAIN_PHASES
-from memstudy.runner import eprint, execute
+from memstudy.console import eprint
+from memstudy.techniques import check_early
 from memstudy.store import RANK_MAX, RANK_MEAN, ResultsDB, default_db_path
-from memstudy.table_format import phase_table
+from memstudy.text_table import phase_table
 from memstudy.bytesize import mb
 
 
@@ -59,7 +60,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    check_early(cfg)  # config, size, technique and file errors before torch is imported
     from memstudy.launch import launched_by_torchrun, run_distributed
+    from memstudy.runner import execute
 
     if cfg.world_size > 1 or launched_by_torchrun():  # docs/distributed.md
         rec = run_distributed(cfg, args.db, None if args.quiet else eprint)
@@ -357,7 +360,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from memstudy.tune import load_spec
-    from memstudy.tune_propulate import run_tune
+    from memstudy.tune.search import run_tune
 
     # refuses a bad spec before any trial runs; reading a recorded search (--best) plans
     # nothing on the spec's device, so a GPU search can be read on any machine
@@ -366,7 +369,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"spec ok: {len(spec.space)} setting(s) searched: {', '.join(spec.space)}")
         return 0
     if args.best is not None:  # read the recorded search; trains nothing, needs no Propulate
-        from memstudy.tune_results import best_table
+        from memstudy.tune.results import best_table
 
         if args.best < 1 or not Path(args.db).is_file():
             raise ConfigError(f"tune --best {args.best}: give N >= 1 and an existing --db "

@@ -63,7 +63,7 @@ class TrainConfig:
     channels_last: bool | None = None  # weights and batches in channels_last (NHWC) layout
     cudnn_benchmark: bool | None = None  # torch.backends.cudnn.benchmark: cuDNN times its
     # convolution algorithms for each new shape (in warm-up) and keeps the fastest
-    # Training policy (seeds/002 III.C, memstudy/policy.py, docs/techniques/accumulate.md):
+    # Training policy ([Compute-Opt] (docs/references.md) III.C, memstudy/policy.py, docs/techniques/accumulate.md):
     lr_schedule: str = "constant"  # constant, or warmup_cosine (eq. 10) over the run's steps
     lr_warmup_steps: int = 0  # warmup_cosine: linear warm-up steps (the paper: ~5% of steps)
     lr_min_ratio: float = 0.1  # warmup_cosine: eta_min / eta_base (the paper: 0.1)
@@ -98,17 +98,8 @@ class TrainConfig:
             raise ConfigError(f"train.cudnn_benchmark = true needs a CUDA GPU but train.device "
                               f"{self.device!r} runs on the CPU, where cuDNN is not used; set "
                               "train.cudnn_benchmark = false (or leave it unset)")
-        self.resolve_tuning()
-
-    def check_val_tiles(self) -> None:
-        from memstudy.tiling.levels import VALIDATION_LEVELS, min_tile_rows
-
-        unit, halo = 2 ** VALIDATION_LEVELS, min_tile_rows(VALIDATION_LEVELS)
-        rows = self.val_tile_rows
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0 or rows % unit \
-                or 0 < rows < halo:
-            raise ConfigError(f"train.val_tile_rows = {rows!r} must be 0 (untiled validation) or "
-                              f"a multiple of {unit} that is >= {halo} (the tiles' halo), e.g. 512")
+        # unset values are filled by make_plan after the techniques' defaults
+        # (techniques.resolve_run_settings, then resolve_tuning)
 
     def check(self) -> None:
         self.image_size = parse_size(self.image_size)  # canonical form: what is stored and hashed
@@ -132,8 +123,7 @@ class TrainConfig:
         if rows != "auto" and (isinstance(rows, (bool, str)) or rows < 0):
             raise ConfigError(f"train.loss_chunk_rows must be \"auto\" or an integer >= 0 "
                               f"(0 = unchunked), got {rows!r}")
-        self.check_tuning()
-        self.check_val_tiles()
+        self.check_tuning()  # train.val_tile_rows: compose.check_val_tiles (the tiling's rule)
         if self.val_precision not in VAL_PRECISIONS:
             raise ConfigError(f"train.val_precision {self.val_precision!r} unknown; choose one of "
                               f"{VAL_PRECISIONS}")
@@ -187,6 +177,9 @@ class DataConfig:
             raise ValueError(f"data.source must be 'synthetic' or 'folder', got {self.source!r}")
         if self.source == "folder" and not self.path:
             raise ValueError("data.path is required when data.source = 'folder'")
+        if self.source == "folder" and not Path(self.path).is_dir():
+            raise ValueError(f"data.path {str(self.path)!r}: data folder not found; expected "
+                             "images in it, or inputs/ and targets/ subfolders")
         if self.source == "synthetic" and self.path:
             raise ValueError(f"data.path is set ({str(self.path)!r}) but data.source = "
                              "'synthetic'; set data.source = 'folder' to train on it, or remove "
@@ -218,7 +211,6 @@ class RunConfig:
 
     def check(self) -> None:
         check_fields(self)  # declared types first: the range checks compare typed values
-        self.check_technique_settings()
         self.train.check()
         self.meter.check()
         try:
@@ -232,34 +224,6 @@ class RunConfig:
             raise ConfigError(f"world_size must be >= 1 (got {self.world_size})")
         if self.encoder_weights and not Path(self.encoder_weights).is_file():
             raise ConfigError(f"encoder_weights file {self.encoder_weights!r} not found")
-
-    def check_technique_settings(self) -> None:
-        """channels_last on is refused where parameters must be contiguous; then the
-        techniques' defaults (technique_defaults)."""
-        from memstudy.techniques import declaring
-
-        needs = declaring(self.techniques, "contiguous_weights") if self.techniques else []
-        if needs and self.train.channels_last:
-            raise ConfigError(f"{needs[0]} needs contiguous parameters (FSDP2 shards no other), "
-                              "but train.channels_last = true stores convolution weights in NHWC; "
-                              "set train.channels_last = false or leave it unset")
-        self.technique_defaults()
-
-    def technique_defaults(self) -> None:
-        """Run settings whose default a technique changes, only where unset (the resolved
-        config stores the value used; runner.resolved applies them too, so a config hashed
-        before its check hashes as the run it becomes): channels_last off where parameters
-        must be contiguous, cudnn_benchmark off where the batch size changes during the run."""
-        from memstudy.techniques import declaring
-
-        if not self.techniques:
-            return
-        if self.train.channels_last is None and declaring(self.techniques, "contiguous_weights"):
-            self.train.channels_last = False
-        # cuDNN would time its algorithms again for every new batch size, inside timed epochs
-        # (tri_accel's elastic batch on an H100: 4 steps in 17.6 s, amp:fp16 24 in 1.9 s)
-        if self.train.cudnn_benchmark is None and declaring(self.techniques, "varies_batch"):
-            self.train.cudnn_benchmark = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

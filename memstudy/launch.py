@@ -89,7 +89,7 @@ def _check_picklable(progress) -> None:
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise TypeError(f"run_distributed: the progress callback {progress!r} cannot be sent to "
                         f"the spawned ranks ({exc}); pass a module-level function such as "
-                        "memstudy.runner.eprint") from None
+                        "memstudy.console.eprint") from None
 
 
 def dist_rank_env() -> int:

@@ -308,7 +308,7 @@ def _note(r: MaxresResult) -> str:
 
 
 def maxres_table(results: list[MaxresResult]) -> str:
-    from memstudy.table_format import format_table
+    from memstudy.text_table import format_table
 
     rows = []
     for r in results:

@@ -1,8 +1,8 @@
-"""Training policy of seeds/002 section III.C, set in [train] and recorded in the resolved config.
+"""Training policy of [Compute-Opt] (docs/references.md) section III.C, set in [train] and recorded in the resolved config.
 
 - `lr_schedule = "warmup_cosine"` (eq. 10): step t (1-based) trains at eta_base * t / t_warmup
   while t <= t_warmup (`lr_warmup_steps`), then cosine from eta_base down to eta_min =
-  `lr_min_ratio` * eta_base at the run's last planned step T (train.planned_steps: epochs x
+  `lr_min_ratio` * eta_base at the run's last planned step T (techniques.planned_steps: epochs x
   steps per epoch at the initial k, capped by max_steps). `constant` keeps eta_base.
 - `lr_scaling = "linear"` (eq. 11): eta_base = train.lr * B_eff / B_base, B_eff the images of
   the coming optimizer step over all ranks (batch_size x k micro-batches; adaptive k changes
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from memstudy.distributed.lr_schedule import warmup_cosine
+from memstudy.lr_schedule import warmup_cosine
 from memstudy.errors import ConfigError
 from memstudy.runtime import Runtime, StepInfo
+from memstudy.techniques import planned_steps
 
 SCHEDULES = ("constant", "warmup_cosine")
 SCALINGS = ("none", "linear")
@@ -78,8 +79,6 @@ def check_plan(plan) -> None:
 
 def total_steps(config) -> int:
     """T of eq. 10: the planned optimizer steps (needs a known image count or max_steps)."""
-    from memstudy.train import planned_steps
-
     images = config.data.train_images if config.data.source == "synthetic" else None
     if images is None:
         if config.train.max_steps is None:

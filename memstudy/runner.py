@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import random
-import sys
 import time
 import traceback
 from collections import Counter
@@ -17,6 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from memstudy.console import eprint  # also imported from here by scripts
 from memstudy import cuda_allocator
 from memstudy import env as envinfo
 from memstudy.budget import apply_budget, budget_bytes, parameter_floor, recap_after_warmup
@@ -31,7 +31,7 @@ from memstudy.meters.nvml import EnergyCounter
 from memstudy.phases import STEP
 from memstudy.quality import min_image_size
 from memstudy.store import ResultsDB, RunRecord
-from memstudy.techniques import canonical, declaring
+from memstudy.techniques import canonical, declaring, resolve_run_settings
 from memstudy.techniques.compose import build_pipeline, make_plan, prepare_process
 from memstudy.train import TrainState, check_measurable, train
 
@@ -44,7 +44,7 @@ def resolved(config: RunConfig) -> RunConfig:
     """The config with techniques in canonical form and the device-dependent defaults
     (channels_last, cudnn_benchmark) filled in, so equal runs hash equal."""
     config.techniques = canonical(config.techniques)
-    config.technique_defaults()  # before the device's defaults fill what is still unset
+    resolve_run_settings(config)  # before the device's defaults fill what is still unset
     config.train.resolve_tuning()
     return config
 
@@ -213,5 +213,3 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def eprint(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

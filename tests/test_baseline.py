@@ -210,8 +210,9 @@ def test_bench_overhead_alternates_the_sides_and_pools_their_rounds():
 
 def test_fsdp_resolves_channels_last_off_and_refuses_it_on():
     """FSDP2 shards only contiguous parameters (channels_last weights failed its setup on
-    2 x H200, session 7): with fsdp on CUDA, unset channels_last resolves to off, on is refused."""
+    2 x H200, 2026-11-23): with fsdp on CUDA, unset channels_last resolves to off, on is refused."""
     from memstudy.config import RunConfig
+    from memstudy.techniques.compose import check_config
 
     def fsdp_config(**train) -> RunConfig:
         cfg = RunConfig(techniques=["fsdp"], world_size=2)
@@ -221,27 +222,28 @@ def test_fsdp_resolves_channels_last_off_and_refuses_it_on():
         return cfg
 
     unset = fsdp_config()
-    unset.check()
+    check_config(unset)
     assert unset.train.channels_last is False and unset.train.cudnn_benchmark is True
     with pytest.raises(ConfigError, match="fsdp needs contiguous parameters.*channels_last"):
-        fsdp_config(channels_last=True).check()
+        check_config(fsdp_config(channels_last=True))
     plain = RunConfig(world_size=1)
     plain.train.device = "cuda"
-    plain.check()
+    check_config(plain)
     assert plain.train.channels_last is True
 
 
 def test_an_elastic_batch_resolves_cudnn_benchmark_off_unless_set():
     """Each new batch size is a new shape for cuDNN's autotuner, timed inside the epoch
-    (tri_accel's elastic batch, H100 session 7): unset resolves to off, explicit on stays."""
+    (tri_accel's elastic batch, H100, 2026-11-23): unset resolves to off, explicit on stays."""
     from memstudy.config import RunConfig
+    from memstudy.techniques.compose import check_config
 
     def tri(spec: str, **train) -> RunConfig:
         cfg = RunConfig(techniques=[spec])
         cfg.train.device = "cuda"
         for name, value in train.items():
             setattr(cfg.train, name, value)
-        cfg.check()
+        check_config(cfg)
         return cfg
 
     assert tri("tri_accel").train.cudnn_benchmark is False

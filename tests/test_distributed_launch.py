@@ -59,7 +59,7 @@ def test_run_refuses_a_batch_the_world_size_does_not_divide(tmp_path, capsys):
 
 
 def test_spawned_run_refuses_a_progress_callback_it_cannot_send(tmp_path, monkeypatch):
-    """spawn pickles the progress callback; a lambda (bench_daso_ab's, 2 x H200 session 7)
+    """spawn pickles the progress callback; a lambda (bench_daso_ab's, 2 x H200, 2026-11-23)
     is refused by name before any process starts."""
     from memstudy.config import RunConfig
     from memstudy.launch import run_distributed

@@ -157,7 +157,7 @@ def scenario_compositions(r):
     for techniques in COMPOSITIONS:
         warm = 2 if "dp" in techniques else 0  # dp refuses to measure before step 3
         # fsdp validates: the tiled validation walk would bypass its per-block gathering
-        # (2 x H200, session 7: "got mixed torch.Tensor and DTensor")
+        # (2 x H200, 2026-11-23: "got mixed torch.Tensor and DTensor")
         cfg = small_config(SIZE, techniques.split(","), batch_size=BATCH, max_steps=warm + 1,
                            warmup_steps=warm, measure_steps=1, validate="fsdp" in techniques)
         cfg.world_size = WORLD

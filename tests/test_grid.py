@@ -100,16 +100,28 @@ def test_timeout_is_recorded_and_not_rerun(tmp_path):
 
 
 def _children(pid: int, running: str) -> list[int]:
-    """Child processes of `pid` whose command line mentions `running` (a cell's hash)."""
-    found = []
+    """Processes under `pid` (children, or a fork server's children) whose output goes to the
+    log of the cell `running` (its hash names the log)."""
+    parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes().decode(errors="replace")
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == pid and running in cmdline:
-            found.append(int(stat.parent.name))
+
+    def under(p: int) -> bool:
+        while p in parents and p != pid:
+            p = parents[p]
+        return p == pid
+
+    found = []
+    for p in parents:
+        try:
+            log = os.readlink(f"/proc/{p}/fd/1")
+        except OSError:
+            continue
+        if p != pid and running in log and under(p):
+            found.append(p)
     return found
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from memstudy.kernels import quantize as qk
-from memstudy.techniques.compress import Compressor
+from memstudy.compression.codec import Compressor
 
 # a tail shorter than a byte, a tail inside a group, whole groups, several programs' worth
 SIZES = [5, 37, 1024, 4096 + 300]
@@ -224,7 +224,7 @@ def test_channel_kernels_equal_references_on_gpu(dtype):
     values of the same codes: within the rounding of one fused multiply-add, 2 eps (|x'| +
     |lo|) with eps = 2^-23: channels here span 1e-3 .. 1e2 around offsets of +-5, so a value
     near 0 restored from lo ~ -300 differs from the two-rounding reference by ulps of 300,
-    above any bound relative to the value itself (H100, session 8: 0.26% of elements past
+    above any bound relative to the value itself (H100, 2026-11-23: 0.26% of elements past
     1e-6 (|x'| + 1))."""
     shape, seed = (4, 96, 61, 67), 11  # P = 16348: short last groups; C = 96
     x = _channels_last(shape, dtype).cuda()

@@ -85,7 +85,8 @@ def test_probes_measure_after_the_configs_warm_up(make_config):
     """With the default 3 warm-up steps a probe takes 5 steps, so 2 are measured (a probe of 3
     steps would have measured nothing and the fit would have had no phase peaks)."""
     from memstudy.maxres import prepare_template
-    from memstudy.train import check_measurable, planned_steps
+    from memstudy.techniques import planned_steps
+    from memstudy.train import check_measurable
 
     probe = prepare_template(make_config(192, warmup_steps=3))
     assert probe.train.max_steps == 5 and not probe.train.validate

@@ -1,4 +1,4 @@
-"""Training policy (seeds/002 eq. 10-12), time to target and energy, through the real runner."""
+"""Training policy ([Compute-Opt] (docs/references.md) eq. 10-12), time to target and energy, through the real runner."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 from accumulate_helpers import run_tiny, series
 
-from memstudy.distributed.lr_schedule import warmup_cosine
+from memstudy.lr_schedule import warmup_cosine
 from memstudy.errors import ConfigError
 from memstudy.meters.nvml import EnergyCounter
 from memstudy.policy import GradientClipping, scaled_lr

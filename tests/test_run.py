@@ -210,7 +210,7 @@ def test_validation_overflow_in_float16_is_told_apart_from_diverged_weights(make
 ])
 def test_planned_steps_follow_the_loop(make_config, techniques, images, batch, epochs, max_steps,
                                        steps):
-    from memstudy.train import planned_steps
+    from memstudy.techniques import planned_steps
 
     cfg = make_config(192, techniques=techniques, batch_size=batch, epochs=epochs,
                       max_steps=max_steps)

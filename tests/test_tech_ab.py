@@ -1,4 +1,4 @@
-"""ab (AB training, seeds/004 Algorithm 2) on 4 gloo processes with DDP: the phase schedule,
+"""ab (AB training, [Coquelin] (docs/references.md) Algorithm 2) on 4 gloo processes with DDP: the phase schedule,
 independent A / B groups, the eq. 5.8 synchronisation, the recorded communication; refusals."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _model():
 def _worker(r, port, out_dir):
     from torch.nn.parallel import DistributedDataParallel
 
-    from memstudy.lowrank.ab import ABSchedule
+    from memstudy.lowrank.ab_training import ABSchedule
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
                       WORLD_SIZE=str(WORLD))

@@ -1,4 +1,4 @@
-"""Gradient accumulation (seeds/002 eq. 4-7) through memstudy's runner and training loop.
+"""Gradient accumulation ([Compute-Opt] (docs/references.md) eq. 4-7) through memstudy's runner and training loop.
 
 The equivalence tests use a BatchNorm-free tiny network (accumulate_helpers.TinyNet) through
 the same runtime code path the U-Net takes: with BatchNorm, each micro-batch normalises with
@@ -14,7 +14,8 @@ from accumulate_helpers import run_tiny, series
 from memstudy.errors import ConfigError
 from memstudy.techniques.accumulate import adaptive_k, gradient_variance
 from memstudy.techniques.compose import make_plan
-from memstudy.train import check_measurable, planned_steps
+from memstudy.techniques import planned_steps
+from memstudy.train import check_measurable
 
 TOL = dict(rtol=1e-5, atol=1e-7)  # float32 sums of the same terms in another order
 

@@ -204,7 +204,7 @@ def test_a_cuda_run_applies_and_records_the_settings(tmp_path):
 def test_checks_leave_cuda_unstarted_for_the_allocator(techniques):
     """On a GPU, in a fresh process: planning (every technique's check) must not start CUDA,
     or the allocator technique refuses the run (compile's Triton check did, via has_triton()
-    and then current_device(), H100 session 8)."""
+    and then current_device(), H100, 2026-11-23)."""
     code = (
         "import torch\n"
         "from memstudy.config import RunConfig\n"

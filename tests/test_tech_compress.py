@@ -13,8 +13,9 @@ from memstudy.runtime import BOUNDARY, Runtime, is_boundary
 from memstudy.techniques import get_technique
 from memstudy.techniques.base import Plan
 from memstudy.kernels import quantize as qk
-from memstudy.techniques.compress import (Compressor, Quantized, gradient_deviation,
-                                          patch_maxpools, patch_relus)
+from memstudy.compression.codec import Compressor, Quantized
+from memstudy.compression.patches import patch_maxpools, patch_relus
+from memstudy.compression.probe import gradient_deviation
 from memstudy.techniques.offload import OFFLOADED, Offloader
 from helpers import hooked_grads, measured_step, saved_bytes
 

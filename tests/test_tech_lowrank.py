@@ -1,4 +1,4 @@
-"""lowrank (OIALR, seeds/004 Algorithm 1): conversion exactness, eq. 4.13, the schedule, the
+"""lowrank (OIALR, [Coquelin] (docs/references.md) Algorithm 1): conversion exactness, eq. 4.13, the schedule, the
 optimizer-state surgery, refusals, and one recorded run of the U-Net."""
 import math
 

@@ -126,7 +126,7 @@ def test_control_step_sets_unit_precisions_and_forward_dtypes(make_config):
 
 def test_validation_runs_untiled_in_each_units_precision(make_config):
     """The tiled validation walk calls the blocks' layers itself, past tri_accel's per-unit
-    autocast (a bf16 output then met a float32 layer: H100 session 7); with precision on,
+    autocast (a bf16 output then met a float32 layer: H100, 2026-11-23); with precision on,
     validation runs untiled, says why, and equals the model's own forward."""
     from memstudy.datasets import build_datasets
     from memstudy.train import _evaluate

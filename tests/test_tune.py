@@ -16,8 +16,8 @@ import pytest
 from memstudy.errors import ConfigError
 from memstudy.store import ResultsDB
 from memstudy.tune import (LogRange, Trials, fitness, parse_spec, search_limits, trial_value)
-from memstudy.tune_propulate import patch_single_worker_islands
-from memstudy.tune_results import best_table, best_trials
+from memstudy.tune.search import patch_single_worker_islands
+from memstudy.tune.results import best_table, best_trials
 
 BASE = {"techniques": [], "train": {"image_size": 192, "epochs": 1, "device": "cpu",
                                     "warmup_steps": 1, "measure_steps": 1},
@@ -262,7 +262,7 @@ def test_cli_best_reads_a_recorded_search_and_refuses_a_missing_database(tmp_pat
 
 
 def test_cli_best_reads_a_gpu_search_on_a_machine_without_one(capsys):
-    """The H100 search's database (session 7) ranks here, on the CPU: reading plans nothing on
+    """The H100 search's database (H100, 2026-11-23) ranks here, on the CPU: reading plans nothing on
     the spec's cuda device, and its trials still match the spec (config hash unchanged by
     settings added since: train.val_precision)."""
     import shutil
@@ -273,7 +273,7 @@ def test_cli_best_reads_a_gpu_search_on_a_machine_without_one(capsys):
     root = Path(__file__).parents[1]
     with tempfile.TemporaryDirectory() as tmp:  # reading opens the database for writing
         db = Path(tmp) / "tune.sqlite"
-        shutil.copy(root / "benchmarks/results/h100/session7/call4/results/tune-triaccel.sqlite",
+        shutil.copy(root / "benchmarks/results/h100/triaccel/tune.sqlite",
                     db)
         rc = main(["--db", str(db), "tune", str(root / "benchmarks/specs/tune-triaccel.toml"),
                    "--best", "3"])

@@ -2,8 +2,8 @@
 
 `context` answers "who am I" (rank, world size, device, backend); memstudy.launch (one
 layer up: it runs the harness) starts the processes of one run; `records` merges every
-rank's measurements into the single run that rank 0 stores; `p2p`, `split` and
-`lr_schedule` are the pieces of the model-parallel and pipeline techniques.
+rank's measurements into the single run that rank 0 stores; `p2p` and `split` are the
+pieces of the model-parallel and pipeline techniques (their LR schedules: memstudy/lr_schedule.py).
 """
 from memstudy.distributed.context import (RANK_MAX, RANK_MEAN, is_distributed, local_rank, rank,
                                           world_size)

@@ -22,6 +22,7 @@ from typing import Any
 
 from memstudy.config import RunConfig, load_toml
 from memstudy.errors import ConfigError
+from memstudy.grid import forkserver
 from memstudy.grid.spec import config_hash
 from memstudy.runner import resolved, run_name
 from memstudy.store import ResultsDB, RunRecord
@@ -94,6 +95,11 @@ class CellProcess:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         # progress lines go to the cell's log: `tail -f` it to follow a long cell
         cmd = [sys.executable, "-m", "memstudy", "--db", self.db_path, "run", "--config", str(toml)]
+        if (server := forkserver.server()) is not None:  # imports paid once (grid/forkserver.py)
+            cells = {"MEMSTUDY_CACHE": str(folder / "phantoms")}  # phantoms made once per grid
+            self.proc = server.popen(cmd[1:], {**cells, **env}, self.log_path)
+            self.started = time.time()
+            return
         parent = os.getpid()
         with open(self.log_path, "a") as log:
             log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} attempt by the runner "

@@ -174,7 +174,7 @@ def config_hash(config: RunConfig) -> str:
 
 
 def cell_table(cells: list[Cell], outcomes: dict[int, str]) -> str:
-    from memstudy.table_format import format_table
+    from memstudy.text_table import format_table
 
     rows = [[c.index, c.name, c.config.train.image_size, c.config.train.batch_size,
              c.config.train.seed, c.config.world_size, c.gpus, c.hash or "-",

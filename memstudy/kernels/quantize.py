@@ -380,7 +380,7 @@ def _kernels(interpret: bool) -> dict:
         # Triton compiles a variant per integer argument's divisibility by 16 (and == 1); a
         # fresh random seed per call would hit a new variant in 1 of 16 calls, compiling it
         # inside a timed step long after warm-up (the likely cause of an H100 compress run's
-        # plain-step median of 1.13 s against 0.30 s for its metered steps, session 8). Shape
+        # plain-step median of 1.13 s against 0.30 s for its metered steps, H100, 2026-11-23). Shape
         # arguments repeat every step: warm-up compiles their variants.
         args = fn.__code__.co_varnames[:fn.__code__.co_argcount]
         return triton.jit(rebuilt, do_not_specialize=[a for a in UNSPECIALISED if a in args])

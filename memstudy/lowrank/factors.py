@@ -1,6 +1,6 @@
 """A Conv2d / Linear weight held as factors, rebuilt before every forward of its module.
 
-The weight of shape (out, in, kh, kw) is viewed as the 2-D matrix out x (in * kh * kw) (seeds/004
+The weight of shape (out, in, kh, kw) is viewed as the 2-D matrix out x (in * kh * kw) ([Coquelin] (docs/references.md)
 section 4.3; a Linear weight is already 2-D). `LowRankWeight` removes the module's `weight`
 parameter and registers the factors on the module instead (so `model.parameters()`, `.to()`
 and `state_dict()` see them); a forward pre-hook sets `module.weight` to the product, which
@@ -38,7 +38,7 @@ def kept_rank(singular_values: torch.Tensor, beta: float) -> int:
 
 def base_update(u: torch.Tensor, sigma: torch.Tensor, vt: torch.Tensor, beta: float
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """seeds/004 eq. 4.13 with the beta cut-off of Algorithm 1 (lines 9-11):
+    """[Coquelin] eq. 4.13 with the beta cut-off of Algorithm 1 (lines 9-11):
 
         U', Sigma', V'^T <- SVD(Sigma);  U <- U U';  V^T <- V'^T V^T;  Sigma <- Sigma'
     then singular values below beta * max(Sigma') are dropped with their basis vectors.

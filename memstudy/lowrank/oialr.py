@@ -1,11 +1,11 @@
-"""OIALR, seeds/004 Algorithm 1: full rank for d steps, then U Sigma V^T with only Sigma trained.
+"""OIALR, [Coquelin] (docs/references.md) Algorithm 1: full rank for d steps, then U Sigma V^T with only Sigma trained.
 
 Schedule (t = optimizer steps taken; the controller is a step hook, so it acts after step t):
 - t == d: every eligible weight becomes U Sigma V^T from its SVD at full rank (exact up to
   float rounding); the full weight leaves the optimizer (its Adam state is freed), Sigma joins
   it. d = 0 converts before the first step.
 - t > d and t % nu == 0 (update u = 1, 2, ...): the last ceil(L * alpha * u) of the L weights
-  (output side first; seeds/004 fig. 4.2: layers near the input stabilise later) get the
+  (output side first; [Coquelin] fig. 4.2: layers near the input stabilise later) get the
   eq. 4.13 update, singular values below beta * max are dropped, and Sigma's optimizer state
   (Adam's exp_avg / exp_avg_sq, SGD's momentum buffer) is sliced to the kept k x k block.
 

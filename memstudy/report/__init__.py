@@ -18,7 +18,7 @@ Python API (all take a database path or a ResultsDB; rows are lists of dicts, pa
                                         memory by category per phase; increment beside absolute
     budgets_found(db, extra)            the budgets of the database's runs and searches (bytes)
     build_report(db, fmt)               everything, as `memstudy report` prints it
-    notebook_db()                       $MEMSTUDY_DB, else benchmarks/results/h200/gpu.sqlite
+    notebook_db()                       $MEMSTUDY_DB, else benchmarks/results/h200/technique-grid/gpu.sqlite
 """
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ from memstudy.report.tables import (COLUMNS, TABLES, TITLES, as_cells, largest_s
 from memstudy.report.triaccel_section import control_series as tri_control_series
 from memstudy.report.triaccel_section import efficiency as tri_efficiency
 from memstudy.report.triaccel_section import tri_runs
-from memstudy.table_format import FORMATS, render_table
+from memstudy.text_table import FORMATS, render_table
 from memstudy.bytesize import mb, parse_bytes
 
-GPU_DB = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "gpu.sqlite"
+GPU_DB = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "technique-grid" / "gpu.sqlite"
 
 
 def notebook_db() -> Path:

@@ -1,4 +1,4 @@
-"""seeds/002's cost objective (eq. 3) and throughput/memory-optimal accumulation (eq. 9).
+"""[Compute-Opt] (docs/references.md)'s cost objective (eq. 3) and throughput/memory-optimal accumulation (eq. 9).
 
 Cost (docs/metrics.md, "Cost objective"): C = w1 T + w2 M + w3 E per finished run, lower is
 better, each figure normalised by the best (smallest) value among the runs compared with it
@@ -44,10 +44,10 @@ COLUMNS = {
                      ("optimal", "k_optimal")],
 }
 TITLES = {
-    "cost": "Cost objective C = w1 T + w2 M + w3 E (seeds/002 eq. 3; each figure over the best "
+    "cost": "Cost objective C = w1 T + w2 M + w3 E ([Compute-Opt] eq. 3; each figure over the best "
             "run at its size and device; lower is better; docs/metrics.md)",
     "accumulation": "Gradient accumulation: throughput / memory per k at one effective batch "
-                    "(seeds/002 eq. 9; the largest ratio is k_optimal)",
+                    "([Compute-Opt] eq. 9; the largest ratio is k_optimal)",
 }
 
 

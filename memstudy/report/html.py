@@ -18,7 +18,7 @@ from typing import Any
 from memstudy.report import interactive, plots
 from memstudy.report.tables import TITLES, as_cells
 from memstudy.sizes import size_sort_key
-from memstudy.table_format import render_table
+from memstudy.text_table import render_table
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:90em}
 table{border-collapse:collapse;margin:0.5em 0 1.5em}

@@ -1,55 +1,19 @@
 """Registry of memory techniques: `list_techniques()`, `get_technique(name)`, `parse_techniques()`.
 
 Every module in this package that does not start with an underscore is imported once and
-registers its technique(s), so adding a technique is adding one file.
+registers its technique(s), so adding a technique is adding one file. The machinery (the
+table, loading the modules) is private: `_registry.py`; this module answers questions about
+technique lists (declared facts, canonical form, run length).
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any
 
+from memstudy import run_length
 from memstudy.errors import ConfigError
+from memstudy.techniques._registry import (composition_key, get_technique, list_techniques,
+                                           register, technique_names)
 from memstudy.techniques.base import Build, Plan, Stage, Technique
-
-_REGISTRY: dict[str, Technique] = {}
-_LOADED = False
-_INTERNAL = {"base", "compose"}
-
-
-def register(technique: Technique) -> Technique:
-    if technique.name in _REGISTRY:
-        raise RuntimeError(f"technique {technique.name!r} registered twice")
-    _REGISTRY[technique.name] = technique
-    return technique
-
-
-def _load() -> None:
-    global _LOADED
-    if not _LOADED:
-        _LOADED = True
-        for mod in pkgutil.iter_modules(__path__):
-            if not mod.name.startswith("_") and mod.name not in _INTERNAL:
-                importlib.import_module(f"{__name__}.{mod.name}")
-
-
-def composition_key(technique: Technique) -> tuple[int, int, str]:
-    """The one composition order: stage, then declared order within the stage, then name."""
-    return (int(technique.stage), technique.order, technique.name)
-
-
-def list_techniques() -> list[Technique]:
-    _load()
-    return sorted(_REGISTRY.values(), key=composition_key)
-
-
-def get_technique(name: str) -> Technique:
-    _load()
-    if name not in _REGISTRY:
-        raise ConfigError(f"unknown technique {name!r}; valid: {sorted(_REGISTRY)} "
-                          "(see `memstudy techniques`)")
-    return _REGISTRY[name]
-
 
 def parse_techniques(specs: list[str]) -> dict[str, Any]:
     """['amp:bf16', 'checkpoint'] -> {name: options} in composition order (`composition_key`),
@@ -76,6 +40,65 @@ def shards_batch(specs: list[str]) -> bool:
     return bool(declaring(specs, "shards_batch"))
 
 
+def check_names(specs: list[str]) -> None:
+    """Refuse an unknown technique name without importing any technique module (so a typo
+    is answered before torch loads): each technique module registers the technique of its
+    own name (tests/test_registry.py checks that)."""
+    known = technique_names()
+    for spec in specs:
+        name = spec.split(":")[0].strip()
+        if name not in known:
+            raise ConfigError(f"unknown technique {name!r}; valid: {known} "
+                              "(see `memstudy techniques`)")
+
+
+def check_early(config) -> None:
+    """What can be refused before torch and the technique modules load: the config's own
+    checks (types, ranges, sizes, data source, files) and the technique names. make_plan
+    refuses the rest (options, combinations, the device)."""
+    config.check()
+    check_names(config.techniques)
+
+
+def micro_batches(specs: list[str], most: bool = False) -> int:
+    """Micro-batches per optimizer step the techniques of `specs` declare: at the start, or
+    with `most` the most they may take during the run (1 without accumulation)."""
+    fact = "most_micro_batches" if most else "micro_batches"
+    return max([get_technique(n).value(fact, o) for n, o in parse_techniques(specs).items()],
+               default=1)
+
+
+def planned_steps(config, train_images: int, most_micro_batches: bool = False) -> int:
+    """Optimizer steps the run will take (at its initial batch size; an elastic batch takes
+    fewer), from the run's settings and its techniques' declared facts (memstudy.run_length).
+    With `most_micro_batches`: the fewest steps it can take (adaptive accumulation at its
+    largest k)."""
+    return run_length.planned_steps(
+        config.train, train_images, shards_batch=shards_batch(config.techniques),
+        micro_batches=micro_batches(config.techniques, most=most_micro_batches))
+
+
+def resolve_run_settings(config) -> None:
+    """Run settings whose default a technique changes, only where unset (the resolved config
+    stores the value used; runner.resolved applies them too, so a config hashed before its
+    check hashes as the run it becomes): channels_last off where parameters must be
+    contiguous (on is refused there), cudnn_benchmark off where the batch size changes during
+    the run."""
+    if not config.techniques:
+        return
+    needs = declaring(config.techniques, "contiguous_weights")
+    if needs and config.train.channels_last:
+        raise ConfigError(f"{needs[0]} needs contiguous parameters (FSDP2 shards no other), "
+                          "but train.channels_last = true stores convolution weights in NHWC; "
+                          "set train.channels_last = false or leave it unset")
+    if needs and config.train.channels_last is None:
+        config.train.channels_last = False
+    # cuDNN would time its algorithms again for every new batch size, inside timed epochs
+    # (tri_accel's elastic batch on an H100: 4 steps in 17.6 s, amp:fp16 24 in 1.9 s)
+    if config.train.cudnn_benchmark is None and declaring(config.techniques, "varies_batch"):
+        config.train.cudnn_benchmark = False
+
+
 def canonical(specs: list[str]) -> list[str]:
     """Techniques with every option spelled out, in composition order (what gets hashed)."""
     return [get_technique(n).canonical(o) for n, o in parse_techniques(specs).items()]
@@ -83,4 +106,5 @@ def canonical(specs: list[str]) -> list[str]:
 
 __all__ = ["Build", "Plan", "Stage", "Technique", "register", "list_techniques",
            "get_technique", "parse_techniques", "canonical", "composition_key", "declaring",
-           "shards_batch"]
+           "shards_batch", "micro_batches", "planned_steps", "resolve_run_settings",
+           "check_early", "check_names", "technique_names"]

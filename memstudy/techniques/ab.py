@@ -1,4 +1,4 @@
-"""ab: AB training (seeds/004 chapter 5, Algorithm 2) on the data-parallel ranks of `dp`.
+"""ab: AB training ([Coquelin] (docs/references.md) chapter 5, Algorithm 2) on the data-parallel ranks of `dp`.
 
 After `warmup` full-rank DP steps, every eligible weight W becomes A B (A = U Sigma^1/2,
 B = Sigma^1/2 V^T, ranks with singular values below sigma_cutoff * the largest dropped); half
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memstudy.errors import ConfigError
-from memstudy.techniques import register
+from memstudy.techniques import planned_steps, register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
 COMPOSES_WITH = ("dp", "amp", "checkpoint", "offload")
@@ -46,8 +46,6 @@ class Options:
 
 
 def resolved(opts: Options, config) -> tuple[int, int, int]:
-    from memstudy.train import planned_steps
-
     steps = planned_steps(config, config.data.train_images)
     warmup = steps // 5 if opts.warmup is None else opts.warmup
     ab_steps = max(1, round(steps / 30)) if opts.ab_steps is None else opts.ab_steps
@@ -56,8 +54,6 @@ def resolved(opts: Options, config) -> tuple[int, int, int]:
 
 
 def check(opts: Options, plan: Plan) -> None:
-    from memstudy.train import planned_steps
-
     if not plan.has("dp"):
         raise ConfigError("ab trains groups of data-parallel ranks: add dp to techniques "
                           "(e.g. techniques = [\"dp\", \"ab\"], world_size >= 2)")
@@ -84,12 +80,10 @@ def check(opts: Options, plan: Plan) -> None:
 
 def apply(opts: Options, build: Build) -> None:
     from memstudy.distributed import context
-    from memstudy.lowrank.ab import ABSchedule
+    from memstudy.lowrank.ab_training import ABSchedule
 
     ddp = build.model
     warmup, ab_steps, rebound = resolved(opts, build.config)
-    from memstudy.train import planned_steps
-
     schedule = ABSchedule(ddp.module, ddp, warmup, ab_steps, rebound, opts.sigma_cutoff,
                           opts.skip_first, opts.skip_last, context.rank(), context.world_size(),
                           total=planned_steps(build.config, build.config.data.train_images))
@@ -110,4 +104,4 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("ab", Stage.RUNTIME, Options,
                    "AB training: half the dp ranks train A, half B of W = AB, averaged and "
-                   "rebound to full rank (seeds/004 ch. 5)", apply, check))
+                   "rebound to full rank ([Coquelin] ch. 5)", apply, check))

@@ -1,4 +1,4 @@
-"""Gradient accumulation (seeds/002 section III.B): `accumulate:4`, or adaptive k.
+"""Gradient accumulation ([Compute-Opt] (docs/references.md) section III.B): `accumulate:4`, or adaptive k.
 
 Memory / compute trade-off: an optimizer step sums the gradients of k micro-batches of
 train.batch_size images (each loss scaled by 1/k, eq. 4) and then steps once (eq. 5), so the
@@ -196,4 +196,5 @@ def apply(opts: Options, build: Build) -> None:
 register(Technique("accumulate", Stage.RUNTIME, Options,
                    "k micro-batches per optimizer step (activations of one micro-batch, "
                    "effective batch k x batch_size); adaptive k from the gradient variance",
-                   apply, check))
+                   apply, check, micro_batches=lambda o: o.k,
+                   most_micro_batches=lambda o: o.k_max if o.mode == "adaptive" else o.k))

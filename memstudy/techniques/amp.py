@@ -15,7 +15,7 @@ Memory / compute trade-off:
   tensor cores (10-bit mantissa inputs, float32 accumulate). Faster on compute capability
   >= 8.0, no memory change; the flags are process-global (see `set_tf32`).
 
-The source study (seeds/003) measured fp16 AMP, so `amp` alone means `amp:fp16`. Options:
+The source study ([Study] (docs/references.md)) measured fp16 AMP, so `amp` alone means `amp:fp16`. Options:
 `dtype` (positional) and, for fp16, `init_scale` (the GradScaler's initial scale).
 """
 from __future__ import annotations

@@ -126,7 +126,11 @@ class Technique:
     contiguous_weights: Fact = False  # needs contiguous parameters (FSDP2 shards only those):
     # train.channels_last then defaults to off, and on is refused (RunConfig.check)
     varies_batch: Fact = False  # changes the batch size during the run: each new size is a new
-    # shape for cuDNN's autotuner, so train.cudnn_benchmark then defaults to off (RunConfig.check)
+    # shape for cuDNN's autotuner, so train.cudnn_benchmark then defaults to off
+    # (techniques.resolve_run_settings)
+    micro_batches: Fact = 1  # micro-batches of train.batch_size per optimizer step at the
+    # start (how long a run is: techniques.planned_steps)
+    most_micro_batches: Fact = 1  # the most micro-batches per step it may take during the run
 
     def value(self, fact: str, options: Any) -> Any:
         """A declared fact for these options."""

@@ -28,8 +28,10 @@ from memstudy.errors import ConfigError
 from memstudy.models import build_unet
 from memstudy.quality import MSSSIMLoss, check_image_size
 from memstudy.runtime import Runtime
-from memstudy.techniques import get_technique, list_techniques, parse_techniques
+from memstudy.techniques import (get_technique, list_techniques, parse_techniques,
+                                 resolve_run_settings)
 from memstudy.techniques.base import Build, Plan, Stage
+from memstudy.tiling.levels import VALIDATION_LEVELS, min_tile_rows
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -53,7 +55,7 @@ def make_plan(config: RunConfig, *, device: torch.device | None = None,
 
     `device` and `n_gpus` plan for another host (validation only: tests plan 2-GPU runs on the
     CPU); by default they are this process's train.device and its visible GPUs."""
-    config.check()
+    check_config(config)
     policy.check_settings(config.train)  # the training-policy settings (memstudy/policy.py)
     check_image_size(config.train.image_size, config.train.msssim_scales)
     device = resolve_device(config.train.device) if device is None else device
@@ -67,6 +69,26 @@ def make_plan(config: RunConfig, *, device: torch.device | None = None,
     check_declared(plan)
     policy.check_plan(plan)  # train.lr_schedule / lr_scaling / clip_norm against the techniques
     return plan
+
+
+def check_config(config: RunConfig) -> None:
+    """The config's own checks, then what its unset run settings become: the techniques'
+    defaults first (the registry's), then the device's."""
+    config.check()
+    resolve_run_settings(config)
+    config.train.resolve_tuning()
+    check_val_tiles(config.train)
+
+
+def check_val_tiles(train) -> None:
+    """train.val_tile_rows against the tiled validation's geometry (memstudy/tiling/levels.py):
+    0, or whole tiles of the deepest tiled level that cover its halo."""
+    unit, halo = 2 ** VALIDATION_LEVELS, min_tile_rows(VALIDATION_LEVELS)
+    rows = train.val_tile_rows
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0 or rows % unit \
+            or 0 < rows < halo:
+        raise ConfigError(f"train.val_tile_rows = {rows!r} must be 0 (untiled validation) or "
+                          f"a multiple of {unit} that is >= {halo} (the tiles' halo), e.g. 512")
 
 
 def prepare_process(plan: Plan) -> None:

@@ -1,4 +1,4 @@
-"""daso: distributed asynchronous and selective optimisation (seeds/004 chapter 3).
+"""daso: distributed asynchronous and selective optimisation ([Coquelin] (docs/references.md) chapter 3).
 
 Ranks form nodes of `node_size` consecutive ranks. Every step the gradients are averaged
 inside the node only (node-local all-reduce). Every B steps of the cycling phase one rank per
@@ -35,7 +35,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from memstudy.distributed import context
 from memstudy.errors import ConfigError
-from memstudy.techniques import register
+from memstudy.techniques import planned_steps, register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
 WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -60,8 +60,6 @@ def node_size(opts: Options, world: int) -> int:
 
 
 def check(opts: Options, plan: Plan) -> None:
-    from memstudy.train import planned_steps
-
     for name in ("B", "S"):
         if getattr(opts, name) < 1:
             raise ConfigError(f"daso:{name} must be >= 1 (got {getattr(opts, name)})")
@@ -204,8 +202,6 @@ class DASOSync:
 
 
 def apply(opts: Options, build: Build) -> None:
-    from memstudy.train import planned_steps
-
     context.shard_batch(build)
     model, rt = build.model, build.runtime
     for p in model.parameters():  # every replica starts from rank 0's parameters (as DDP)
@@ -227,5 +223,5 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("daso", Stage.PARALLEL, Options,
                    "DASO: node-local gradient averaging, non-blocking global parameter "
-                   "averaging every B steps (seeds/004 ch. 3)", apply, check,
+                   "averaging every B steps ([Coquelin] ch. 3)", apply, check,
                    order=10, shards_batch=True, owns_process_group=True, gloo_on_cuda=True))

@@ -1,4 +1,4 @@
-"""lowrank: OIALR (seeds/004 chapter 4, Algorithm 1): after d full-rank steps every eligible
+"""lowrank: OIALR ([Coquelin] (docs/references.md) chapter 4, Algorithm 1): after d full-rank steps every eligible
 weight is trained as U Sigma V^T with only the r x r Sigma trainable; every nu steps the bases
 absorb Sigma's rotation (eq. 4.13) and singular values below beta * max are dropped.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memstudy.errors import ConfigError
-from memstudy.techniques import register
+from memstudy.techniques import planned_steps, register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
 # Techniques verified to act correctly on a model whose parameters change during the run.
@@ -34,7 +34,7 @@ COMPOSES_WITH = ("amp", "checkpoint", "offload")
 class Options:
     d: int | None = field(default=None, metadata={
         "help": "full-rank steps before the conversion (0: convert before the first step); "
-                "none: a third of the run's planned steps (seeds/004 section 4.3)"})
+                "none: a third of the run's planned steps ([Coquelin] section 4.3)"})
     nu: int = field(default=10, metadata={"help": "steps between base updates (eq. 4.13)"})
     alpha: float = field(default=0.1, metadata={
         "help": "fraction of the weights added to the update set per update, output side first"})
@@ -47,16 +47,12 @@ class Options:
 
 
 def resolved_d(opts: Options, plan_or_config) -> int:
-    from memstudy.train import planned_steps
-
     config = getattr(plan_or_config, "config", plan_or_config)
     steps = planned_steps(config, config.data.train_images)
     return steps // 3 if opts.d is None else opts.d
 
 
 def check(opts: Options, plan: Plan) -> None:
-    from memstudy.train import planned_steps
-
     if not 0 < opts.beta < 1:
         raise ConfigError(f"lowrank:beta must be in (0, 1) (got {opts.beta}): it is the fraction "
                           "of the largest singular value below which ranks are dropped")

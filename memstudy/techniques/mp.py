@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memstudy.distributed import context, p2p
-from memstudy.distributed.lr_schedule import SCHEDULERS, add_scheduler, total_steps
+from memstudy.lr_schedule import SCHEDULERS, add_scheduler, total_steps
 from memstudy.distributed.split import (DecoderHalf, EncoderHalf, LocalSplitUNet, P2PHalf,
                                         check_split_size)
 from memstudy.errors import ConfigError

@@ -22,7 +22,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from memstudy.distributed import context, p2p
 from memstudy.distributed.split import check_split_size
-from memstudy.distributed.lr_schedule import SCHEDULERS, add_scheduler, total_steps
+from memstudy.lr_schedule import SCHEDULERS, add_scheduler, total_steps
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique

@@ -1,4 +1,4 @@
-"""Tri-Accel (seeds/000 section 3): per-unit adaptive precision, curvature-scaled learning rates
+"""Tri-Accel ([Tri-Accel] (docs/references.md) section 3): per-unit adaptive precision, curvature-scaled learning rates
 and a memory-elastic batch size, in one control loop every t_ctrl steps.
 
 Trade-off. Precision: units whose gradient variance is low run in FP16/BF16 (half the
@@ -33,7 +33,7 @@ class Options:
     beta: float = field(default=0.9, metadata={"help": "EMA factor of the gradient variance"})
     # tau_low / tau_high / tau_curv: the best of 10 trials of `memstudy tune
     # benchmarks/specs/tune-triaccel.toml` on an H100, to 3 significant digits (run 8 of
-    # benchmarks/results/h100/session7/call4/results/tune-triaccel.sqlite; docs/triaccel.md)
+    # benchmarks/results/h100/triaccel/tune.sqlite; docs/triaccel.md)
     tau_low: float = field(default=9.12e-8, metadata={
         "help": "variance below: lowest precision (tuned by memstudy tune, docs/triaccel.md)"})
     tau_high: float = field(default=4.29e-2, metadata={

@@ -1,6 +1,6 @@
 """What reports need from Tri-Accel runs: the per-control-step rows and the efficiency score.
 
-Efficiency score (seeds/000 section 4.2, with validation MS-SSIM as the quality):
+Efficiency score ([Tri-Accel] (docs/references.md) section 4.2, with validation MS-SSIM as the quality):
 
     score = Q / (T * M) * 100
     Q = 100 * (1 - val_loss)        validation MS-SSIM in percent, last epoch

@@ -1,0 +1,62 @@
+"""Grid cells forked from a warm server (memstudy/grid/forkserver.py): each child runs the
+cell's command with the cell's environment and log, in its own process group, and reports its
+exit status; the imports are paid once, not per cell."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from memstudy.grid.forkserver import ForkServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ForkServer()
+    yield srv
+    srv.close()
+
+
+def test_a_forked_cell_runs_its_command_into_its_log_with_its_exit_status(server, tmp_path):
+    log = tmp_path / "cell.log"
+    cell = server.popen(["-m", "memstudy", "techniques"], {}, log)
+    assert cell.wait() == 0
+    assert "checkpoint" in log.read_text()  # `memstudy techniques` listed them into the log
+    assert os.getpgid(os.getpid()) != cell.pid  # its own group (the pid is gone by now)
+    failing = server.popen(["-m", "memstudy", "run", "--size", "abc"], {},
+                           tmp_path / "bad.log")
+    assert failing.wait() == 2
+    assert "memstudy: error: train.image_size = 'abc'" in (tmp_path / "bad.log").read_text()
+
+
+def test_a_forked_cell_is_killed_with_its_process_group(server, tmp_path):
+    cell = server.popen(["-m", "memstudy", "run", "--size", "192", "--epochs", "50", "-q"], {},
+                        tmp_path / "long.log")
+    assert cell.poll() is None
+    deadline = time.time() + 30
+    while time.time() < deadline:  # until the child has made its own process group
+        try:
+            if os.getpgid(cell.pid) == cell.pid:
+                break
+        except ProcessLookupError:
+            break
+        time.sleep(0.01)
+    os.killpg(cell.pid, signal.SIGKILL)
+    assert cell.wait() == -signal.SIGKILL
+
+
+def test_a_forked_cell_starts_without_paying_the_imports(server, tmp_path):
+    """The fixed cost the server removes: a cell that loads every technique module (torch
+    included) returns far sooner forked than as a fresh interpreter."""
+    start = time.perf_counter()
+    assert server.popen(["-m", "memstudy", "techniques"], {}, tmp_path / "f.log").wait() == 0
+    forked = time.perf_counter() - start
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "memstudy", "techniques"], check=True,
+                   capture_output=True, cwd=tmp_path)
+    fresh = time.perf_counter() - start
+    assert forked < fresh / 3, (forked, fresh)
