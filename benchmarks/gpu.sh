@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one call: GPU tests, then the benchmarks named in $1
+# Everything that needs a GPU, in one run: GPU tests, then the benchmarks named in $1
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
-# then results/ is packed into $OUT/results.tgz (the device tool returns at most 8 files).
+# then results/ is packed into $OUT/results.tgz (at most 8 files come back from a remote GPU machine).
 #
 #   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss]
 #
@@ -59,7 +59,7 @@ for item in $STEPS; do
         tune-triaccel) . benchmarks/tune_env.sh; $PY -m memstudy --db "$RES/tune-triaccel.sqlite" tune benchmarks/specs/tune-triaccel.toml 2>&1 | tee "$RES/tune-triaccel.log"
             python3 -m memstudy --db "$RES/tune-triaccel.sqlite" tune benchmarks/specs/tune-triaccel.toml --best 10 2>&1 | tee "$RES/tune-triaccel.md" ;;
         triaccel) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel" ${TRIACCEL_ARGS:-} 2>&1 | tee "$RES/triaccel.log" ;;
-        # the ablation again with the best trial of tune-triaccel (run that step first, in the same call or carried in .carry/)
+        # the ablation again with the best trial of tune-triaccel (run that step first, in the same run or carried in .carry/)
         triaccel-tuned) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel-tuned" --parts ablation --tuned "$RES/tune-triaccel.sqlite" ${TRIACCELTUNED_ARGS:-} 2>&1 | tee "$RES/triaccel-tuned.log" ;;
         kernels) $PY benchmarks/bench_kernels.py --out "$RES/kernels" 2>&1 | tee "$RES/kernels.log" ;;
         bnlag) $PY benchmarks/bench_bn_lag.py --out "$RES/bnlag" ${BNLAG_ARGS:---size 2048 --steps 24 --precisions fp32,fp16} 2>&1 | tee "$RES/bnlag.log" ;;

@@ -32,23 +32,6 @@ def budget_bytes(budget: str | int | None) -> int | None:
     return None if budget is None else budget_size(budget)
 
 
-def parameter_floor(plan) -> int:
-    """Bytes of the model's parameters as every run holds them (fp32, the plain U-Net), or 0
-    when a technique of the plan changes or shards the parameters (their size is then known
-    only once built). Counted on a model built under the meta device (what smp still makes
-    on the CPU is a few small tensors, freed at once)."""
-    from memstudy.models.unet import build_unet
-    from memstudy.techniques.base import Stage
-
-    reshaped = [n for n, t in plan.techniques.items() if n in plan.chosen and t.stage <= Stage.STRUCTURE
-                and t.stage != Stage.PROCESS]
-    if reshaped or plan.declaring("splits_model") or plan.declaring("contiguous_weights"):
-        return 0
-    with torch.device("meta"):
-        model = build_unet(None)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def nvml_used(index: int) -> int:
     """Device-level used bytes (nvidia-smi's figure) of the visible CUDA device `index`.
 

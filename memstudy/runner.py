@@ -19,7 +19,7 @@ import torch
 from memstudy.console import eprint  # also imported from here by scripts
 from memstudy import cuda_allocator
 from memstudy import env as envinfo
-from memstudy.budget import apply_budget, budget_bytes, parameter_floor, recap_after_warmup
+from memstudy.budget import apply_budget, budget_bytes, recap_after_warmup
 from memstudy.config import RunConfig
 from memstudy.datasets import build_datasets, describe_datasets
 from memstudy.distributed.context import rank_device
@@ -115,6 +115,23 @@ def execute(config: RunConfig, db: ResultsDB | None,
         db.record(record)
     _release(device)
     return record
+
+
+def parameter_floor(plan) -> int:
+    """Bytes of the model's parameters as every run holds them (fp32, the plain U-Net), or 0
+    when a technique of the plan changes or shards the parameters (their size is then known
+    only once built). Counted on a model built under the meta device (what smp still makes
+    on the CPU is a few small tensors, freed at once)."""
+    from memstudy.models.unet import build_unet
+    from memstudy.techniques.base import Stage  # the registry: above budget.py's layer
+
+    reshaped = [n for n, t in plan.techniques.items() if n in plan.chosen and t.stage <= Stage.STRUCTURE
+                and t.stage != Stage.PROCESS]
+    if reshaped or plan.declaring("splits_model") or plan.declaring("contiguous_weights"):
+        return 0
+    with torch.device("meta"):
+        model = build_unet(None)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _recap_budget_after_warmup(build, config: RunConfig, env: dict) -> None:

@@ -86,7 +86,8 @@ class StepInfo:
 
 @dataclass
 class MicroBatch:
-    """One forward + backward of an optimizer step (gradient accumulation, eq. 4 of seeds/002)."""
+    """One forward + backward of an optimizer step (gradient accumulation, [Compute-Opt] eq. 4,
+    docs/references.md)."""
     step: int  # the optimizer step it belongs to (1-based: the step being taken)
     index: int  # 0 .. count - 1
     count: int  # micro-batches of this step (the last step of an epoch may have fewer than k)
@@ -104,6 +105,9 @@ class Runtime:
     # Entered (after autocast is turned off) for a float32 evaluation forward: techniques that
     # set precision themselves, past autocast, put it back to float32 here (tri_accel's units).
     float32_contexts: list[Callable[[], ContextManager]] = field(default_factory=list)
+    # Each technique's place in the plan's composition order (compose.build_pipeline sets it):
+    # where a technique's saved-tensor transform goes in the chain.
+    transform_order: dict[str, int] = field(default_factory=dict)
     # The chain of saved-tensor transforms (compress, offload), in composition order.
     saved_tensor_transforms: list[SavedTensorTransform] = field(default_factory=list)
     saved_tensor_observers: list[Callable[[Any], None]] = field(default_factory=list)
@@ -137,16 +141,17 @@ class Runtime:
 
     def add_saved_tensor_transform(self, pack: PackHook, unpack: UnpackHook, owner: str) -> None:
         """Add the technique `owner`'s transform to the chain. Its place is the technique's
-        composition order (stage, declared order, name), whatever order transforms are added
-        in: pack runs in that order, unpack in reverse. compress (order 40) comes before
-        offload (order 60), so offload moves the compressed bytes and brings them back before
-        they are decompressed."""
-        from memstudy.techniques import composition_key, get_technique  # the registry only
-
+        place in the plan's composition order (`transform_order`, set by compose from the plan),
+        whatever order transforms are added in: pack runs in that order, unpack in reverse.
+        compress comes before offload, so offload moves the compressed bytes and brings them
+        back before they are decompressed."""
+        if owner not in self.transform_order:
+            raise RuntimeError(f"{owner}: not in the runtime's transform_order (the plan's "
+                               "composition order, which compose.build_pipeline sets)")
         if any(t.owner == owner for t in self.saved_tensor_transforms):
             raise RuntimeError(f"{owner}: already transforms saved tensors")
         self.saved_tensor_transforms.append(SavedTensorTransform(owner, pack, unpack))
-        self.saved_tensor_transforms.sort(key=lambda t: composition_key(get_technique(t.owner)))
+        self.saved_tensor_transforms.sort(key=lambda t: self.transform_order[t.owner])
 
     def forward_context(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()

@@ -8,7 +8,7 @@ Gradient accumulation (`runtime.micro_batches` = k, the `accumulate` technique):
 *optimizer* step. It draws k micro-batches of `batch_size` images (consecutive in the epoch's
 order, so together they are exactly the images a k-times larger batch would take), runs a
 `forward` and a `backward` phase per micro-batch (each loss scaled by its share of the step's
-images, 1/k for equal micro-batches: eq. 4 of seeds/002) and one `step` phase. Warm-up,
+images, 1/k for equal micro-batches: [Compute-Opt] eq. 4, docs/references.md) and one `step` phase. Warm-up,
 measured steps, `max_steps` and the step series all count optimizer steps. With k > 1 the
 micro-batches wait on the host and each is copied to the device just before its forward, so
 only one micro-batch of inputs is on the device at a time; the copy is part of the step's
@@ -29,7 +29,7 @@ from memstudy.meters import PhaseRecorder
 from memstudy.meters.profile import step_profile
 from memstudy.quality import quality
 from memstudy.runtime import MicroBatch, StepInfo
-from memstudy.techniques import shards_batch
+from memstudy.techniques import micro_batches, planned_steps
 from memstudy.techniques.base import Build
 from memstudy.tiling.validation import validation_forward
 
@@ -150,24 +150,6 @@ def _check_target(val_loss: float, target: float | None, state: TrainState) -> N
         state.target_reached = (time.perf_counter() - state.started, state.step)
 
 
-def planned_steps(config, train_images: int, most_micro_batches: bool = False) -> int:
-    """Optimizer steps the run will take (at its initial batch size; an elastic batch takes fewer).
-
-    With gradient accumulation a step takes k micro-batches of train.batch_size images: at the
-    initial k, or with `most_micro_batches` at the largest k adaptive accumulation may use
-    (the fewest steps the run can take)."""
-    from memstudy.techniques.accumulate import micro_batches_per_step
-
-    cfg = config.train
-    if shards_batch(config.techniques):  # declared by the technique (context.shard_batch):
-        # data-parallel ranks drop an incomplete last global batch
-        pieces = train_images // cfg.batch_size
-    else:
-        pieces = math.ceil(train_images / cfg.batch_size)
-    per_epoch = math.ceil(pieces / micro_batches_per_step(config, most=most_micro_batches))
-    return min(cfg.epochs * per_epoch, cfg.max_steps or math.inf)
-
-
 def check_measurable(config, train_images: int) -> None:
     """Refuse a run whose warm-up takes every step: it would record no phase figures.
 
@@ -189,9 +171,7 @@ def _cap(cfg) -> str:
 
 
 def _accumulation(config) -> str:
-    from memstudy.techniques.accumulate import micro_batches_per_step
-
-    k = micro_batches_per_step(config, most=True)
+    k = micro_batches(config.techniques, most=True)
     return f", {k} micro-batches per step" if k > 1 else ""
 
 

@@ -31,14 +31,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "memstudy"
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 # Upward imports that are still there, each with what removes it. To be removed: the importing
 # modules are being reworked elsewhere; nothing may be added to this list.
-KNOWN_UPWARD = {
-    # to be removed: Runtime.add_saved_tensor_transform sorts transforms by the registry's
-    # composition key; compose.build_pipeline should hand the runtime the plan's order instead
-    "memstudy.runtime -> memstudy.techniques",
-}
+KNOWN_UPWARD: set[str] = set()  # none left
 # Technique modules the harness still imports by name (the loop should ask the registry for
 # declared facts: techniques.micro_batches / planned_steps). To be removed.
-KNOWN_NAMED = {"memstudy.train -> memstudy.techniques.accumulate"}
+KNOWN_NAMED: set[str] = set()  # none left
 # Modules allowed to name one technique, and why.
 NAMES_ALLOWED = {
     "report/triaccel_section.py": "the report section of the tri_accel technique",

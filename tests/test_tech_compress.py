@@ -386,8 +386,17 @@ def test_region_input_bits_follow_which_unless_set():
     assert build.notes["compress_boundary_bits"] == 8
 
 
+def _composition_order(*names: str) -> dict[str, int]:
+    """What compose.build_pipeline gives the runtime: each technique's place in the plan."""
+    from memstudy.techniques import composition_key
+
+    ordered = sorted(names, key=lambda n: composition_key(get_technique(n)))
+    return {name: i for i, name in enumerate(ordered)}
+
+
 def test_chain_runs_compress_before_offload_whatever_the_order():
     rt = Runtime(device=CPU, batch_size=1, loss_fn=None, optimizer_factory=None)
+    rt.transform_order = _composition_order("offload", "compress")
     log = []
     rt.add_saved_tensor_transform(lambda t: log.append("offload") or t, lambda t: t, "offload")
     rt.add_saved_tensor_transform(lambda t: log.append("compress") or t, lambda t: t, "compress")
@@ -408,6 +417,7 @@ def test_compress_then_offload_moves_fewer_bytes_same_gradients(model_x_plain):
     rt = Runtime(device=CPU, batch_size=1, loss_fn=None, optimizer_factory=None)
     comp = Compressor(bits=4, group=256, min_numel=4096, seed=3)
     off = Offloader(CPU, CPU, min_bytes=1024, prefetch=2)
+    rt.transform_order = _composition_order("offload", "compress")
     rt.add_saved_tensor_transform(off.pack, off.unpack, "offload")
     rt.add_saved_tensor_transform(comp.pack, comp.unpack, "compress")
     pack, unpack = rt._saved_tensor_hooks()

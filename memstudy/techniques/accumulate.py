@@ -98,15 +98,6 @@ def _check_adaptive(opts: Options, plan: Plan) -> None:
                               "mode=fixed with data-parallel techniques")
 
 
-def micro_batches_per_step(config, most: bool = False) -> int:
-    """k of a config: the first step's k, or with `most` the largest k it may use."""
-    for spec in config.techniques:
-        if spec.split(":")[0].strip() == "accumulate":
-            opts = parse_techniques([spec])["accumulate"]
-            return opts.k_max if most and opts.mode == "adaptive" else opts.k
-    return 1
-
-
 def adaptive_k(sigma2: float, sigma_target: float, k_max: int) -> int:
     """Eq. 6: min(k_max, ceil(sigma^2 / (sigma_target^2 + eps)))."""
     return min(k_max, math.ceil(sigma2 / (sigma_target ** 2 + EPS)))

@@ -10,7 +10,7 @@ recomputes no convolution) and holds one region's activations at a time while re
 Placements (positional option `placement`):
 - `block`: every residual block of layer1..layer4 and every decoder block is one region. The
   stem (conv1 + bn1 at half resolution) and the max-pool indices stay saved.
-- `sqrt`: Chen et al.'s sqrt(L) rule (seeds/002 III.E). The network is a chain of L units:
+- `sqrt`: Chen et al.'s sqrt(L) rule ([Compute-Opt] III.E, docs/references.md). The network is a chain of L units:
   the stem, each residual block (the max-pool joins layer1's first block) and each decoder
   block (L = 1 + 16 + 5 = 22 for the ResNet-34 U-Net). Unit i belongs to even segment
   i * k // L, k = `segments` (0: round(sqrt(L)) = 5). The U-Net's skip connections decide

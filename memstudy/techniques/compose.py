@@ -162,6 +162,7 @@ def build_pipeline(plan: Plan) -> Build:
     runtime = Runtime(device=plan.device, batch_size=config.train.batch_size, loss_fn=loss,
                       optimizer_factory=default_optimizer(config))
     runtime.series_sources.append(lambda: _loss_rows(loss, runtime.rank))
+    runtime.transform_order = {name: i for i, name in enumerate(plan.chosen)}
     model = build_unet(config.encoder_weights, seed=config.train.seed)
     build = Build(config=config, plan=plan, model=model, runtime=runtime, device=plan.device)
     moved = False
