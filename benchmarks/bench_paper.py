@@ -25,7 +25,7 @@ from memstudy.bytesize import mb
 from memstudy.grid import expand, load_spec
 from memstudy.report.data import device_of, load_runs, phase_peak
 from memstudy.report.tables import spread
-from memstudy.table_format import render_table
+from memstudy.text_table import render_table
 
 SPECS = Path(__file__).resolve().parent / "specs"
 SPEC, PUBLISHED = SPECS / "paper-protocol.toml", SPECS / "paper-published.toml"

@@ -34,7 +34,7 @@ from memstudy.report.data import TRAIN_PHASES, device_of, load_runs, open_db
 from memstudy.report.decide import candidates, contexts, missing_context, quality_cost
 from memstudy.sizes import parse_size, size_hw, size_label
 from memstudy.store import ResultsDB
-from memstudy.table_format import format_table
+from memstudy.text_table import format_table
 
 CONFIRM_LABEL = "advise confirm"
 
