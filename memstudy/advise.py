@@ -34,6 +34,8 @@ from memstudy.report.data import TRAIN_PHASES, device_of, load_runs, open_db
 from memstudy.report.decide import candidates, contexts, missing_context, quality_cost
 from memstudy.sizes import parse_size, size_hw, size_label
 from memstudy.store import ResultsDB
+from memstudy.techniques import canonical
+from memstudy.report.tables import technique_set
 from memstudy.text_table import format_table
 
 CONFIRM_LABEL = "advise confirm"
@@ -309,12 +311,20 @@ def check(db) -> list[dict[str, Any]]:
     rows = []
     for p in preds:
         size = parse_size(p["image_size"])
-        later = [r for r in runs if r["name"] == p["name"] and r["image_size"] == size
+        # the set as hashed: a run recorded under another spelling of it (a confirm run stores
+        # every option spelled out) is the same set
+        wanted = tuple(canonical(_specs(p["name"])))
+        later = [r for r in runs if technique_set(r) == wanted and r["image_size"] == size
                  and device_of(r) == p["gpu_name"] and r["batch_size"] == p["batch_size"]
                  and r["finished_at"] > p["created_at"]]
         if later:
             rows.append(_checked(p, later[-1], context_by_gpu.get(p["gpu_name"], 0.0)))
     return rows
+
+
+def _specs(name: str) -> list[str]:
+    """A run name's technique specs ('amp:bf16+checkpoint'; 'original' is none)."""
+    return [] if name in ("original", "none") else name.split("+")
 
 
 def _checked(p: dict, run: dict, context: float) -> dict[str, Any]:
