@@ -314,7 +314,8 @@ def check(db) -> list[dict[str, Any]]:
         # the set as hashed: a run recorded under another spelling of it (a confirm run stores
         # every option spelled out) is the same set
         wanted = tuple(canonical(_specs(p["name"])))
-        later = [r for r in runs if technique_set(r) == wanted and r["image_size"] == size
+        later = [r for r in runs if (r["name"] == p["name"] or technique_set(r) == wanted)
+                 and r["image_size"] == size
                  and device_of(r) == p["gpu_name"] and r["batch_size"] == p["batch_size"]
                  and r["finished_at"] > p["created_at"]]
         if later:

@@ -95,16 +95,16 @@ class CellProcess:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         # progress lines go to the cell's log: `tail -f` it to follow a long cell
         cmd = [sys.executable, "-m", "memstudy", "--db", self.db_path, "run", "--config", str(toml)]
+        parent = os.getpid()
+        with open(self.log_path, "a") as log:  # one header per attempt: logs are never overwritten
+            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} attempt by the runner "
+                      f"{socket.gethostname()} pid {parent}: {' '.join(cmd)}\n")
         if (server := forkserver.server()) is not None:  # imports paid once (grid/forkserver.py)
             cells = {"MEMSTUDY_CACHE": str(folder / "phantoms")}  # phantoms made once per grid
             self.proc = server.popen(cmd[1:], {**cells, **env}, self.log_path)
             self.started = time.time()
             return
-        parent = os.getpid()
         with open(self.log_path, "a") as log:
-            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} attempt by the runner "
-                      f"{socket.gethostname()} pid {parent}: {' '.join(cmd)}\n")
-            log.flush()
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True,
                                          preexec_fn=lambda: _child_setup(parent))

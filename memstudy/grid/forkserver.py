@@ -142,7 +142,7 @@ def _run_child(request: dict, listener: socket.socket, conns: list[socket.socket
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.update(request["env"])
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
         flag, module, *args = request["argv"]  # `-m memstudy ...`, as the interpreter gets it
