@@ -36,7 +36,7 @@ import torch
 
 from memstudy.errors import ConfigError
 from memstudy.runtime import MicroBatch, StepInfo
-from memstudy.techniques import parse_techniques, register
+from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
 MODES = ("fixed", "adaptive")

@@ -289,7 +289,7 @@ def backprop_eager(sweep: Sweep, tensors: list, needs: Sequence[bool], target: i
     """backprop_tiles over `tiles` (default: all of the sweep's), tile by tile as written."""
     region = sweep.region
     inputs, stats, params = sweep.unpack(tensors)
-    n, m = sweep.n_inputs, 2 * len(region.norms)
+    n = sweep.n_inputs
     grads: list = [None] * len(tensors)
     device_type, enabled, dtype = sweep.autocast
     for tile in sweep.tiles if tiles is None else tiles:
