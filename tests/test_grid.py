@@ -99,6 +99,45 @@ def test_timeout_is_recorded_and_not_rerun(tmp_path):
     assert [r["status"] for r in ResultsDB(db).runs()] == ["error", "ok"]  # both attempts kept
 
 
+def test_a_cells_line_says_where_its_time_went(tmp_path):
+    """The runner's line for a recorded cell splits its wall time into start, steps (the
+    epochs' recorded time), the rest of the run and the end, which add up to the wall time."""
+    import re
+
+    lines: list[str] = []
+    spec = load_spec(write_spec(tmp_path, [192]))
+    assert run_grid(spec, tmp_path / "r.sqlite", progress=lines.append, poll_s=0.05).outcomes == {1: "ok"}
+    (line,) = [x for x in lines if ": ok (" in x]
+    found = re.search(r"\((\S+) s: start (\S+) s, steps (\S+) s \(first (\S+) s\), build and "
+                      r"validation (\S+) s, end (\S+) s\)", line)
+    assert found, line
+    wall, start, steps, first, within, end = map(float, found.groups())
+    db = ResultsDB(tmp_path / "r.sqlite")
+    (run,) = db.runs()
+    epochs = db.query("SELECT SUM(time_s) AS s FROM epochs WHERE run_id = ?", (run["id"],))[0]["s"]
+    assert steps == pytest.approx(epochs, abs=0.051)
+    assert 0 < first <= steps + 0.05 and start > 0 and within >= 0 and end >= 0
+    assert start + steps + within + end == pytest.approx(wall, abs=0.21)  # 4 figures rounded
+
+
+def test_the_quick_gpu_study_stays_quick():
+    """examples/gpu.toml is the quick study (./dev/study on a GPU; docs/grid.md gives its time
+    on an H100): no compiling set, no cuDNN autotuning, and no more cells x steps than the
+    content that was timed (27 cells of 8 steps), so a set added to it is timed again."""
+    from memstudy.grid.spec import cell_config
+    from memstudy.techniques import declaring, planned_steps
+
+    spec = load_spec(Path(__file__).parents[1] / "examples/gpu.toml")
+    assert spec.base["train"]["cudnn_benchmark"] is False
+    work = 0
+    for techniques in spec.technique_sets:
+        assert not declaring(techniques, "compiles"), techniques
+        for size in spec.image_sizes:
+            cfg = cell_config(spec, techniques, size, spec.batch_sizes[0], spec.seeds[0], 1)
+            work += planned_steps(cfg, cfg.data.train_images)
+    assert work <= 27 * 8, work
+
+
 def _children(pid: int, running: str) -> list[int]:
     """Processes under `pid` (children, or a fork server's children) whose output goes to the
     log of the cell `running` (its hash names the log)."""
@@ -317,7 +356,8 @@ def test_gpu_grid_gives_a_dp_cell_two_gpus(tmp_path):
 
 
 @pytest.mark.parametrize("path, device", [("examples/quick.toml", "cpu"),
-                                          ("examples/gpu.toml", "cuda")])
+                                          ("examples/gpu.toml", "cuda"),
+                                          ("examples/gpu-full.toml", "cuda")])
 def test_shipped_grids_plan_on_the_device_they_name(path, device, monkeypatch):
     """Every cell of the example grids (the quick study's included) passes make_plan for its
     device, so a new set in them is not first refused on a GPU machine. Planned here for a

@@ -209,8 +209,9 @@ class _Scheduler:
             self.slots.give(ids)
             self.durations.append(time.time() - child.started)
             self.result.outcomes[cell.index] = outcome
+            took = child.times.describe() if child.times else f"{self.durations[-1]:.1f} s"
             self.progress(f"[{cell.index}/{self.total}] {cell.name} {cell.config.train.image_size}px: "
-                          f"{outcome} ({self.durations[-1]:.1f} s)")
+                          f"{outcome} ({took})")
 
     def _eta(self) -> str:
         if not self.durations:
