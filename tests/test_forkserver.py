@@ -60,3 +60,15 @@ def test_a_forked_cell_starts_without_paying_the_imports(server, tmp_path):
                    capture_output=True, cwd=tmp_path)
     fresh = time.perf_counter() - start
     assert forked < fresh / 3, (forked, fresh)
+
+
+def test_figures_warmed_in_the_server_are_in_every_forked_cell(server, tmp_path):
+    """The runner has the server count the grid's model FLOPs once: a forked child finds
+    them in model_flops_per_step's cache (its size is what the child sees; timeit runs it)."""
+    assert server.warm([(1, 64, 64), (1, 64, 96)]) >= 2
+    check = ("from memstudy.meters.flops import model_flops_per_step as f; "
+             "misses = f.cache_info().misses; f(1, 64); f(1, (64, 96)); "
+             "assert f.cache_info().misses == misses, f.cache_info()")  # none counted here
+    log = tmp_path / "warm.log"
+    assert server.popen(["-m", "timeit", "-n", "1", "-r", "1", check], {}, log).wait() == 0, \
+        log.read_text()

@@ -26,6 +26,7 @@ from memstudy.errors import ConfigError
 from memstudy.grid import forkserver
 from memstudy.grid.spec import config_hash
 from memstudy.runner import resolved, run_name
+from memstudy.sizes import size_hw
 from memstudy.store import ResultsDB, RunRecord
 
 KILLED = "killed"  # outcomes that leave no record: a rerun runs the cell again
@@ -177,6 +178,15 @@ class CellProcess:
             return "error in timeout"
         rc = self.proc.returncode
         return f"{KILLED} by signal {-rc}" if rc < 0 else f"{CRASHED} (exit {rc}, see {self.log_path})"
+
+
+def warm_server(configs: list[RunConfig]) -> None:
+    """Before the cells start: the fork server counts the model FLOPs of their (batch, height,
+    width) once, which each forked cell would otherwise count again (grid/forkserver.py)."""
+    shapes = sorted({(c.train.batch_size, *hw) for c in configs
+                     if (hw := size_hw(c.train.image_size)) is not None})
+    if shapes and (server := forkserver.server()) is not None:
+        server.warm(shapes)
 
 
 def record_timeout(db: ResultsDB, config: RunConfig, key: str, started: float,

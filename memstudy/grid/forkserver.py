@@ -17,7 +17,10 @@ generated once per grid. `MEMSTUDY_FORKSERVER=0` starts each cell as a subproces
 
 Protocol (one Unix-socket connection per cell): the runner sends one JSON line
 {"argv" (the interpreter's arguments), "env", "log"}; the server answers {"pid"} when the child is forked and {"returncode"}
-(negative: killed by that signal) when it has exited.
+(negative: killed by that signal) when it has exited. Before the cells, the runner may send
+{"warm": [[batch, height, width], ...]}: the server counts the model FLOPs of each shape once
+(on the meta device: no CUDA, no CPU threads) and answers {"warmed": n}; every later child
+finds them in its memory instead of counting them again (a second a cell on a CPU).
 """
 from __future__ import annotations
 
@@ -93,6 +96,20 @@ class ForkServer:
         conn.sendall(json.dumps({"argv": argv, "env": env, "log": str(log)}).encode() + b"\n")
         return ForkedCell(conn)
 
+    def warm(self, shapes: list[tuple[int, int, int]]) -> int:
+        """Have the server count the model FLOPs of these (batch, height, width) before it
+        forks the cells that record them; returns how many it holds."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(self.address)
+            conn.sendall(json.dumps({"warm": [list(s) for s in shapes]}).encode() + b"\n")
+            reply = b""
+            while not reply.endswith(b"\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    raise RuntimeError("the grid's fork server died while counting model FLOPs")
+                reply += chunk
+        return json.loads(reply)["warmed"]
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -131,6 +148,16 @@ def _warm_imports() -> None:
     list_techniques()  # loads every technique module
 
 
+def _warm_figures(shapes: list[list[int]]) -> int:
+    """Model FLOPs per step of each (batch, height, width), as the runner's figures ask for them
+    (a square by its side), into model_flops_per_step's cache, which the children inherit."""
+    from memstudy.meters.flops import model_flops_per_step
+
+    for batch, height, width in shapes:
+        model_flops_per_step(batch, height if height == width else (height, width))
+    return model_flops_per_step.cache_info().currsize
+
+
 def _run_child(request: dict, listener: socket.socket, conns: list[socket.socket]) -> None:
     """In the forked child: the cell's own process group, environment and log, then its
     command line as `python -m` would run it."""
@@ -151,8 +178,10 @@ def _run_child(request: dict, listener: socket.socket, conns: list[socket.socket
         sys.argv = [module, *args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # as the interpreter exits: None is 0, a message is printed, 1
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
     except BaseException:
         import traceback
 
@@ -202,11 +231,17 @@ def serve(address: str) -> None:
                 if not chunk and b"\n" not in request:
                     conn.close()
                     continue
+                request = json.loads(request.split(b"\n", 1)[0])
+                if "warm" in request:  # figures for the children, counted here, never forked
+                    conn.sendall(json.dumps({"warmed": _warm_figures(request["warm"])}).encode()
+                                 + b"\n")
+                    conn.close()
+                    continue
                 _check_no_cuda()
                 sys.stdout.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _run_child(json.loads(request.split(b"\n", 1)[0]), listener,
+                    _run_child(request, listener,
                                [*pending, *children.values(), conn])
                 try:
                     os.setpgid(pid, pid)

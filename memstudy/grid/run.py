@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from memstudy.grid import claims
-from memstudy.grid.cells import CRASHED, KILLED, CellProcess
+from memstudy.grid.cells import CRASHED, KILLED, CellProcess, warm_server
 from memstudy.grid.claims import Holder, Runner
 from memstudy.grid.history import older_records
 from memstudy.grid.spec import Cell, GridSpec, expand
@@ -63,6 +63,7 @@ def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
             todo.append(cell)
     for index, why in older_records(todo, db).items():
         progress(f"[{index}/{len(cells)}] {why}")
+    warm_server([cell.config for cell in todo])
     _Scheduler(result, todo, GpuSlots(pool), db, spec.timeout_s, progress, poll_s,
                runner, retry).run()
     return result
