@@ -43,7 +43,7 @@ from torch import nn
 
 from memstudy.runtime import mark_boundary
 from memstudy.tiling.geometry import Path, Tile
-from memstudy.tiling.norm import Stats, memory_format_of, moments, normalize
+from memstudy.tiling.norm import Stats, memory_format_of, moments, normalize, statistics_seed
 
 @dataclass
 class Region:
@@ -278,14 +278,8 @@ class Seed:
 def seed_gradient(z: torch.Tensor, rows: torch.Tensor | None,
                   affine: Sequence[torch.Tensor] | None) -> torch.Tensor:
     """The gradient a tile's owned output z starts backward with: `rows` of grad_out, plus
-    shift + scale * (z - mean) for statistics of z, computed in the statistics' precision and
-    cast once. Centred first: a + b * z with a = -b * mean would cancel catastrophically in
-    float32."""
-    if affine is None:
-        return rows
-    mean, scale, shift = (t[:, None, None] for t in affine)
-    base = shift if rows is None else rows + shift
-    return torch.addcmul(base, z.detach() - mean, scale).to(z.dtype)
+    the statistics' gradient for statistics of z (norm.statistics_seed)."""
+    return rows if affine is None else statistics_seed(z, rows, *affine)
 
 
 def _full_like(part: torch.Tensor, inputs: list[torch.Tensor], sweep: Sweep) -> torch.Tensor:
