@@ -72,3 +72,20 @@ def test_figures_warmed_in_the_server_are_in_every_forked_cell(server, tmp_path)
     log = tmp_path / "warm.log"
     assert server.popen(["-m", "timeit", "-n", "1", "-r", "1", check], {}, log).wait() == 0, \
         log.read_text()
+
+
+def test_the_server_fills_the_cells_image_cache_before_them(server, tmp_path):
+    """warm's data entries: every image of the datasets is on disk afterwards, in the cache
+    the cells read, and a cell built on it finds each image there."""
+    from memstudy.config import from_dict
+    from memstudy.datasets import build_datasets
+
+    config = from_dict({"train": {"image_size": 96, "msssim_scales": 1},
+                        "data": {"train_images": 3, "val_images": 2}})
+    cache = tmp_path / "phantoms"
+    server.warm([], [{"config": config.to_dict(), "cache": str(cache)}])
+    assert len(list(cache.glob("*.npy"))) == 5
+    config.data.cache_dir = str(cache)
+    for dataset in build_datasets(config.data, 96, 1, 32):
+        for index in range(len(dataset)):
+            assert dataset._cache_path(dataset.sources[index]).is_file()

@@ -109,7 +109,8 @@ def test_a_grid_warms_its_shapes_and_says_where_each_cells_time_went(tmp_path, m
 
     warmed: list = []
     warm = ForkServer.warm
-    monkeypatch.setattr(ForkServer, "warm", lambda self, shapes: warmed.append(shapes) or warm(self, shapes))
+    monkeypatch.setattr(ForkServer, "warm",
+                        lambda self, shapes, data: warmed.append(shapes) or warm(self, shapes, data))
     lines: list[str] = []
     spec = load_spec(write_spec(tmp_path, [192]))
     assert run_grid(spec, tmp_path / "r.sqlite", progress=lines.append, poll_s=0.05).outcomes == {1: "ok"}
@@ -390,18 +391,24 @@ def test_shipped_grids_plan_on_the_device_they_name(path, device, monkeypatch):
 
 
 def test_the_grid_has_the_fork_server_count_each_shape_once(tmp_path, monkeypatch):
-    """warm_server hands the fork server each (batch, height, width) of the cells once; a
-    native size (each image its own) is left to the cell."""
+    """warm_server hands the fork server each (batch, height, width) of the cells once, and
+    each (data, size) whose images it caches for them."""
     from memstudy.grid import cells as grid_cells
 
     asked: list = []
 
     class Server:
-        def warm(self, shapes):
-            asked.append(shapes)
+        def warm(self, shapes, data):
+            asked.append((shapes, data))
 
     monkeypatch.setattr(grid_cells.forkserver, "server", lambda: Server())
+    monkeypatch.delenv("MEMSTUDY_CACHE", raising=False)
     spec = load_spec(write_spec(tmp_path, [192, "192x256", 192], batch_sizes=[1, 2],
                                 techniques=["original", "checkpoint"]))
-    grid_cells.warm_server([cell.config for cell in expand(spec) if not cell.error])
-    assert asked == [[(1, 192, 192), (1, 192, 256), (2, 192, 192), (2, 192, 256)]]
+    grid_cells.warm_server([cell.config for cell in expand(spec) if not cell.error],
+                           tmp_path / "r.sqlite")
+    (shapes, data), = asked
+    assert shapes == [(1, 192, 192), (1, 192, 256), (2, 192, 192), (2, 192, 256)]
+    # the images of each size once (techniques and batch sizes share them), in the cells' cache
+    assert sorted(str(d["config"]["train"]["image_size"]) for d in data) == ["192", "192x256"]
+    assert {d["cache"] for d in data} == {str(tmp_path / "r.cells" / "phantoms")}

@@ -140,7 +140,7 @@ class CellProcess:
             log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} attempt by the runner "
                       f"{socket.gethostname()} pid {parent}: {' '.join(cmd)}\n")
         if (server := forkserver.server()) is not None:  # imports paid once (grid/forkserver.py)
-            cells = {"MEMSTUDY_CACHE": str(folder / "phantoms")}  # phantoms made once per grid
+            cells = {"MEMSTUDY_CACHE": image_cache(db_path)}  # images made once per grid
             self.proc = server.popen(cmd[1:], {**cells, **env}, self.log_path)
             self.started = time.time()
             return
@@ -180,13 +180,27 @@ class CellProcess:
         return f"{KILLED} by signal {-rc}" if rc < 0 else f"{CRASHED} (exit {rc}, see {self.log_path})"
 
 
-def warm_server(configs: list[RunConfig]) -> None:
-    """Before the cells start: the fork server counts the model FLOPs of their (batch, height,
-    width) once, which each forked cell would otherwise count again (grid/forkserver.py)."""
+def image_cache(db_path: str | Path) -> str:
+    """The on-disk image cache of a grid's cells: $MEMSTUDY_CACHE, else beside the cells, so
+    each image is made once per grid, not once per cell."""
+    return os.environ.get("MEMSTUDY_CACHE") or str(cells_folder(db_path) / "phantoms")
+
+
+def warm_server(configs: list[RunConfig], db_path: str | Path) -> None:
+    """Before the cells start, the fork server counts the model FLOPs of their (batch, height,
+    width) once, which each forked cell would otherwise count again, and fills the image cache
+    of each (data, size) over the CPU's cores (grid/forkserver.py)."""
+    server = forkserver.server() if configs else None
+    if server is None:
+        return
     shapes = sorted({(c.train.batch_size, *hw) for c in configs
                      if (hw := size_hw(c.train.image_size)) is not None})
-    if shapes and (server := forkserver.server()) is not None:
-        server.warm(shapes)
+    data = {}  # one entry per (data settings, size): the cells' datasets differ in nothing else
+    for c in configs:
+        d = c.to_dict()
+        key = json.dumps([d["data"], d["train"]["image_size"]], sort_keys=True, default=str)
+        data.setdefault(key, {"config": d, "cache": image_cache(db_path)})
+    server.warm(shapes, list(data.values()))
 
 
 def record_timeout(db: ResultsDB, config: RunConfig, key: str, started: float,

@@ -18,9 +18,12 @@ generated once per grid. `MEMSTUDY_FORKSERVER=0` starts each cell as a subproces
 Protocol (one Unix-socket connection per cell): the runner sends one JSON line
 {"argv" (the interpreter's arguments), "env", "log"}; the server answers {"pid"} when the child is forked and {"returncode"}
 (negative: killed by that signal) when it has exited. Before the cells, the runner may send
-{"warm": [[batch, height, width], ...]}: the server counts the model FLOPs of each shape once
-(on the meta device: no CUDA, no CPU threads) and answers {"warmed": n}; every later child
-finds them in its memory instead of counting them again (a second a cell on a CPU).
+{"warm": [[batch, height, width], ...], "data": [{"config", "cache"}, ...]}: the server counts
+the model FLOPs of each shape once (on the meta device: no CUDA, no CPU threads) and answers
+{"warmed": n}; every later child finds them in its memory instead of counting them again (a
+second a cell on a CPU). Each "data" entry's images (phantoms generated, or files decoded) are
+written to its on-disk cache first, by forked workers over the CPU's cores, so no cell waits
+for them with its GPU idle (the server itself never runs that code: its children stay clean).
 """
 from __future__ import annotations
 
@@ -96,12 +99,14 @@ class ForkServer:
         conn.sendall(json.dumps({"argv": argv, "env": env, "log": str(log)}).encode() + b"\n")
         return ForkedCell(conn)
 
-    def warm(self, shapes: list[tuple[int, int, int]]) -> int:
-        """Have the server count the model FLOPs of these (batch, height, width) before it
-        forks the cells that record them; returns how many it holds."""
+    def warm(self, shapes: list[tuple[int, int, int]], data: list[dict] = ()) -> int:
+        """Have the server count the model FLOPs of these (batch, height, width) and fill the
+        image caches of `data` ({"config": a RunConfig dict, "cache": its folder}) before it
+        forks the cells that use them; returns how many FLOP counts it holds."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(self.address)
-            conn.sendall(json.dumps({"warm": [list(s) for s in shapes]}).encode() + b"\n")
+            request = {"warm": [list(s) for s in shapes], "data": list(data)}
+            conn.sendall(json.dumps(request).encode() + b"\n")
             reply = b""
             while not reply.endswith(b"\n"):
                 chunk = conn.recv(4096)
@@ -156,6 +161,50 @@ def _warm_figures(shapes: list[list[int]]) -> int:
     for batch, height, width in shapes:
         model_flops_per_step(batch, height if height == width else (height, width))
     return model_flops_per_step.cache_info().currsize
+
+
+def _fill_caches(data: list[dict], workers: int | None = None) -> int:
+    """Every image of each entry's datasets into its on-disk cache, by `workers` forked
+    processes (default: one a core, at most one an image) taking every n-th image; returns
+    how many workers ended well. A worker that fails leaves its images to the cells, which
+    make them (or report what is wrong with the data) as they would without this."""
+    if not data:
+        return 0
+    workers = max(1, min(workers or os.cpu_count() or 1, 64))
+    pids = []
+    for share in range(workers):
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _fill_share(data, share, workers)
+                code = 0
+            except BaseException:  # noqa: BLE001 - the cell meets the same problem and says it
+                pass
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    return sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 for pid in pids)
+
+
+def _fill_share(data: list[dict], share: int, workers: int) -> None:
+    """In a worker: the images whose running number is `share` modulo `workers`."""
+    from memstudy.config import from_dict
+    from memstudy.datasets import build_datasets
+    from memstudy.quality import min_image_size
+
+    number = 0
+    for entry in data:
+        config = from_dict(entry["config"])
+        config.data.cache_dir = config.data.cache_dir or entry["cache"]  # the cells' own folder
+        for dataset in build_datasets(config.data, config.train.image_size,
+                                      config.train.batch_size,
+                                      min_image_size(config.train.msssim_scales)):
+            for index in range(len(dataset)):
+                if number % workers == share:
+                    dataset[index]  # made and cached on disk, or already there
+                number += 1
 
 
 def _run_child(request: dict, listener: socket.socket, conns: list[socket.socket]) -> None:
@@ -233,6 +282,7 @@ def serve(address: str) -> None:
                     continue
                 request = json.loads(request.split(b"\n", 1)[0])
                 if "warm" in request:  # figures for the children, counted here, never forked
+                    _fill_caches(request.get("data", []))
                     conn.sendall(json.dumps({"warmed": _warm_figures(request["warm"])}).encode()
                                  + b"\n")
                     conn.close()
