@@ -115,6 +115,7 @@ def test_a_grid_warms_its_shapes_and_says_where_each_cells_time_went(tmp_path, m
     spec = load_spec(write_spec(tmp_path, [192]))
     assert run_grid(spec, tmp_path / "r.sqlite", progress=lines.append, poll_s=0.05).outcomes == {1: "ok"}
     assert warmed == [[(1, 192, 192)]]
+    assert "model FLOPs of 1 shape(s) counted and the images of 1 (data, size) cached" in lines[0]
     (line,) = [x for x in lines if ": ok (" in x]
     found = re.search(r"\((\S+) s: start (\S+) s, steps (\S+) s \(first (\S+) s\), build and "
                       r"validation (\S+) s, end (\S+) s\)", line)

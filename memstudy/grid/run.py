@@ -63,7 +63,8 @@ def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
             todo.append(cell)
     for index, why in older_records(todo, db).items():
         progress(f"[{index}/{len(cells)}] {why}")
-    warm_server([cell.config for cell in todo], db_path)
+    if warmed := warm_server([cell.config for cell in todo], db_path):
+        progress(warmed)
     _Scheduler(result, todo, GpuSlots(pool), db, spec.timeout_s, progress, poll_s,
                runner, retry).run()
     return result
