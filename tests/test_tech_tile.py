@@ -239,9 +239,9 @@ def test_statistics_of_a_kept_tensor_come_from_the_region_that_writes_it(keep, o
 
 
 def test_keep_bn_runs_every_tiled_convolution_once_per_tile_each_way():
-    """keep=bn: each tiled convolution runs once per tile in forward and once in backward's
-    recomputation (2 tiles: 4 calls), the stem's included (keep=all runs it in the stem's 2
-    sweeps and block 3's 1, each way: 12)."""
+    """keep=bn: each tiled decoder convolution runs once per tile in forward and once in
+    backward's recomputation (2 tiles: 4 calls), the stem's in its own region and again for
+    block 3's skip (8; keep=all runs it in the stem's 2 sweeps and block 3's 1, each way: 12)."""
     counts = {}
     for keep in ("bn", "all"):
         model = build_unet(seed=0)
@@ -254,7 +254,7 @@ def test_keep_bn_runs_every_tiled_convolution_once_per_tile_each_way():
             conv.register_forward_hook(lambda *_, name=name: seen.__setitem__(name, seen[name] + 1))
         model(torch.rand(1, 1, 128, 128)).square().mean().backward()
         counts[keep] = seen
-    assert set(counts["bn"].values()) == {4}, counts["bn"]
+    assert counts["bn"].pop("conv1") == 8 and set(counts["bn"].values()) == {4}, counts["bn"]
     assert counts["all"]["conv1"] == 12 and counts["all"]["block4.conv2"] == 8, counts["all"]
 
 

@@ -96,10 +96,10 @@ def _conv1(ops, block: int, d, named: dict):
     """Nearest up-sampling, concatenation with the skip, the first convolution (pre-BN)."""
     d = ops.up(d)
     skip = SKIPS.get(block)
-    if skip == "f1":  # the stem's feature: its kept convolution output normalised, or all of
-        # the stem recomputed from the image, with the stem's statistics
-        s = named["s"] if "s" in named else ops.conv("conv1", named["x"])
-        d = ops.cat(d, ops.norm("bn1", s, relu=True))
+    if skip == "f1":  # the stem's feature, recomputed from the image with the stem's statistics
+        # (keeping the stem's output instead would hold it on the device through the untiled
+        # levels: 562 MB at 4188 px, which is what a 4 GiB budget does not have)
+        d = ops.cat(d, ops.norm("bn1", ops.conv("conv1", named["x"]), relu=True))
     elif skip == "l1":
         d = ops.cat(d, named["l1"])
     return ops.conv(f"block{block}.conv1", d)
@@ -115,12 +115,10 @@ def region_specs(levels: int, keep: str) -> list[RegionSpec]:
         specs.append(RegionSpec("stem", ("s",), (coarse // 2,), "s", None))
     elif levels >= 2:
         specs.append(RegionSpec("stem", ("x",), (coarse,), "x", None))
-    stem_feature = "s" if keep == "bn" else "x"  # what decoder block 3's skip is made from
     start = f"d{LAST_BLOCK + 1 - levels}"
     for stop in _cuts(levels, keep) + [None]:
         computed = _conv1_blocks(start, stop)
-        inputs = [start] + [name for block, name in ((2, "l1"), (3, stem_feature))
-                            if block in computed]
+        inputs = [start] + [name for block, name in ((2, "l1"), (3, "x")) if block in computed]
         factors = [_factor(name, levels) for name in inputs]
         name = "top" if stop is None else f"block{stop[1:]}.conv{1 if stop[0] == 'z' else 2}"
         specs.append(RegionSpec(name, tuple(inputs), tuple(factors), start, stop))
