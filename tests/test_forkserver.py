@@ -62,28 +62,16 @@ def test_a_forked_cell_starts_without_paying_the_imports(server, tmp_path):
     assert forked < fresh / 3, (forked, fresh)
 
 
-def test_figures_warmed_in_the_server_are_in_every_forked_cell(server, tmp_path):
-    """The runner has the server count the grid's model FLOPs once: a forked child finds
-    them in model_flops_per_step's cache (its size is what the child sees; timeit runs it)."""
-    assert server.warm([(1, 64, 64), (1, 64, 96)]) >= 2
-    check = ("from memstudy.meters.flops import model_flops_per_step as f; "
-             "misses = f.cache_info().misses; f(1, 64); f(1, (64, 96)); "
-             "assert f.cache_info().misses == misses, f.cache_info()")  # none counted here
-    log = tmp_path / "warm.log"
-    assert server.popen(["-m", "timeit", "-n", "1", "-r", "1", check], {}, log).wait() == 0, \
-        log.read_text()
-
-
 def test_the_server_fills_the_cells_image_cache_before_them(server, tmp_path):
-    """warm's data entries: every image of the datasets is on disk afterwards, in the cache
-    the cells read, and a cell built on it finds each image there."""
+    """fill_caches: every image of the datasets is on disk afterwards, in the cache the cells
+    read, and a cell built on it finds each image there."""
     from memstudy.config import from_dict
     from memstudy.datasets import build_datasets
 
     config = from_dict({"train": {"image_size": 96, "msssim_scales": 1},
                         "data": {"train_images": 3, "val_images": 2}})
     cache = tmp_path / "phantoms"
-    server.warm([], [{"config": config.to_dict(), "cache": str(cache)}])
+    assert server.fill_caches([{"config": config.to_dict(), "cache": str(cache)}]) >= 1
     assert len(list(cache.glob("*.npy"))) == 5
     config.data.cache_dir = str(cache)
     for dataset in build_datasets(config.data, 96, 1, 32):

@@ -99,23 +99,18 @@ def test_timeout_is_recorded_and_not_rerun(tmp_path):
     assert [r["status"] for r in ResultsDB(db).runs()] == ["error", "ok"]  # both attempts kept
 
 
-def test_a_grid_warms_its_shapes_and_says_where_each_cells_time_went(tmp_path, monkeypatch):
-    """The runner has the fork server count the cells' shapes before they start, and its line
+def test_a_grid_caches_its_images_and_says_where_each_cells_time_went(tmp_path, monkeypatch):
+    """The runner has the fork server cache the cells' images before they start, and its line
     for a recorded cell splits the cell's wall time into start, steps (the epochs' recorded
     time), the rest of the run and the end, which add up to the wall time."""
     import re
 
-    from memstudy.grid.forkserver import ForkServer
-
-    warmed: list = []
-    warm = ForkServer.warm
-    monkeypatch.setattr(ForkServer, "warm",
-                        lambda self, shapes, data: warmed.append(shapes) or warm(self, shapes, data))
+    monkeypatch.delenv("MEMSTUDY_CACHE", raising=False)
     lines: list[str] = []
     spec = load_spec(write_spec(tmp_path, [192]))
     assert run_grid(spec, tmp_path / "r.sqlite", progress=lines.append, poll_s=0.05).outcomes == {1: "ok"}
-    assert warmed == [[(1, 192, 192)]]
-    assert "model FLOPs of 1 shape(s) counted and the images of 1 (data, size) cached" in lines[0]
+    assert "fork server ready and the images of 1 (data, size) cached" in lines[0]
+    assert len(list((tmp_path / "r.cells" / "phantoms").glob("*.npy"))) == 2  # 1 train, 1 val
     (line,) = [x for x in lines if ": ok (" in x]
     found = re.search(r"\((\S+) s: start (\S+) s, steps (\S+) s \(first (\S+) s\), build and "
                       r"validation (\S+) s, end (\S+) s\)", line)
@@ -391,25 +386,23 @@ def test_shipped_grids_plan_on_the_device_they_name(path, device, monkeypatch):
             check_measurable(cfg, cfg.data.train_images)
 
 
-def test_the_grid_has_the_fork_server_count_each_shape_once(tmp_path, monkeypatch):
-    """warm_server hands the fork server each (batch, height, width) of the cells once, and
-    each (data, size) whose images it caches for them."""
+def test_the_grid_has_the_fork_server_cache_each_data_and_size_once(tmp_path, monkeypatch):
+    """cache_images hands the fork server each (data, size) of the cells once (techniques and
+    batch sizes share the images), with the cache folder the cells read."""
     from memstudy.grid import cells as grid_cells
 
     asked: list = []
 
     class Server:
-        def warm(self, shapes, data):
-            asked.append((shapes, data))
+        def fill_caches(self, data):
+            asked.append(data)
 
     monkeypatch.setattr(grid_cells.forkserver, "server", lambda: Server())
     monkeypatch.delenv("MEMSTUDY_CACHE", raising=False)
     spec = load_spec(write_spec(tmp_path, [192, "192x256", 192], batch_sizes=[1, 2],
                                 techniques=["original", "checkpoint"]))
-    grid_cells.warm_server([cell.config for cell in expand(spec) if not cell.error],
-                           tmp_path / "r.sqlite")
-    (shapes, data), = asked
-    assert shapes == [(1, 192, 192), (1, 192, 256), (2, 192, 192), (2, 192, 256)]
-    # the images of each size once (techniques and batch sizes share them), in the cells' cache
+    grid_cells.cache_images([cell.config for cell in expand(spec) if not cell.error],
+                            tmp_path / "r.sqlite")
+    (data,) = asked
     assert sorted(str(d["config"]["train"]["image_size"]) for d in data) == ["192", "192x256"]
     assert {d["cache"] for d in data} == {str(tmp_path / "r.cells" / "phantoms")}

@@ -26,7 +26,6 @@ from memstudy.errors import ConfigError
 from memstudy.grid import forkserver
 from memstudy.grid.spec import config_hash
 from memstudy.runner import resolved, run_name
-from memstudy.sizes import size_hw
 from memstudy.store import ResultsDB, RunRecord
 
 KILLED = "killed"  # outcomes that leave no record: a rerun runs the cell again
@@ -186,25 +185,22 @@ def image_cache(db_path: str | Path) -> str:
     return os.environ.get("MEMSTUDY_CACHE") or str(cells_folder(db_path) / "phantoms")
 
 
-def warm_server(configs: list[RunConfig], db_path: str | Path) -> str | None:
-    """Before the cells start, the fork server counts the model FLOPs of their (batch, height,
-    width) once, which each forked cell would otherwise count again, and fills the image cache
-    of each (data, size) over the CPU's cores (grid/forkserver.py). Says what it did, and how
-    long the server's start and this took (once per grid); None without a fork server."""
+def cache_images(configs: list[RunConfig], db_path: str | Path) -> str | None:
+    """Before the cells start, the fork server's workers fill the image cache of each (data,
+    size) over the CPU's cores (grid/forkserver.py). Says what was done and how long the
+    server's start and this took (once per grid); None without a fork server."""
     started = time.time()
     server = forkserver.server() if configs else None
     if server is None:
         return None
-    shapes = sorted({(c.train.batch_size, *hw) for c in configs
-                     if (hw := size_hw(c.train.image_size)) is not None})
     data = {}  # one entry per (data settings, size): the cells' datasets differ in nothing else
     for c in configs:
         d = c.to_dict()
         key = json.dumps([d["data"], d["train"]["image_size"]], sort_keys=True, default=str)
         data.setdefault(key, {"config": d, "cache": image_cache(db_path)})
-    server.warm(shapes, list(data.values()))
-    return (f"fork server ready, model FLOPs of {len(shapes)} shape(s) counted and the images of "
-            f"{len(data)} (data, size) cached in {time.time() - started:.1f} s")
+    server.fill_caches(list(data.values()))
+    return (f"fork server ready and the images of {len(data)} (data, size) cached in "
+            f"{time.time() - started:.1f} s")
 
 
 def record_timeout(db: ResultsDB, config: RunConfig, key: str, started: float,

@@ -18,12 +18,14 @@ generated once per grid. `MEMSTUDY_FORKSERVER=0` starts each cell as a subproces
 Protocol (one Unix-socket connection per cell): the runner sends one JSON line
 {"argv" (the interpreter's arguments), "env", "log"}; the server answers {"pid"} when the child is forked and {"returncode"}
 (negative: killed by that signal) when it has exited. Before the cells, the runner may send
-{"warm": [[batch, height, width], ...], "data": [{"config", "cache"}, ...]}: the server counts
-the model FLOPs of each shape once (on the meta device: no CUDA, no CPU threads) and answers
-{"warmed": n}; every later child finds them in its memory instead of counting them again (a
-second a cell on a CPU). Each "data" entry's images (phantoms generated, or files decoded) are
-written to its on-disk cache first, by forked workers over the CPU's cores, so no cell waits
-for them with its GPU idle (the server itself never runs that code: its children stay clean).
+{"data": [{"config", "cache"}, ...]}: each entry's images (phantoms generated, or files
+decoded) are written to its on-disk cache by forked workers over the CPU's cores, so no cell
+waits for them with its GPU idle; the server answers {"workers_ok": n} when they are done.
+
+The server itself runs no tensor code, only imports: an autograd pass (even on the meta
+device) starts the CUDA driver and the autograd engine's device threads, and every child
+forked after that fails to initialise CUDA (seen on an H100). Work for the cells is done in
+forked workers, never in the server.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ENABLED = os.environ.get("MEMSTUDY_FORKSERVER", "1") != "0"
@@ -99,21 +102,20 @@ class ForkServer:
         conn.sendall(json.dumps({"argv": argv, "env": env, "log": str(log)}).encode() + b"\n")
         return ForkedCell(conn)
 
-    def warm(self, shapes: list[tuple[int, int, int]], data: list[dict] = ()) -> int:
-        """Have the server count the model FLOPs of these (batch, height, width) and fill the
-        image caches of `data` ({"config": a RunConfig dict, "cache": its folder}) before it
-        forks the cells that use them; returns how many FLOP counts it holds."""
+    def fill_caches(self, data: list[dict]) -> int:
+        """Have the server's workers fill the image caches of `data` ({"config": a RunConfig
+        dict, "cache": its folder}) before the cells that read them start; returns how many
+        workers ended well."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(self.address)
-            request = {"warm": [list(s) for s in shapes], "data": list(data)}
-            conn.sendall(json.dumps(request).encode() + b"\n")
+            conn.sendall(json.dumps({"data": list(data)}).encode() + b"\n")
             reply = b""
             while not reply.endswith(b"\n"):
                 chunk = conn.recv(4096)
                 if not chunk:
-                    raise RuntimeError("the grid's fork server died while counting model FLOPs")
+                    raise RuntimeError("the grid's fork server died while caching images")
                 reply += chunk
-        return json.loads(reply)["warmed"]
+        return json.loads(reply)["workers_ok"]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -153,21 +155,14 @@ def _warm_imports() -> None:
     list_techniques()  # loads every technique module
 
 
-def _warm_figures(shapes: list[list[int]]) -> int:
-    """Model FLOPs per step of each (batch, height, width), as the runner's figures ask for them
-    (a square by its side), into model_flops_per_step's cache, which the children inherit."""
-    from memstudy.meters.flops import model_flops_per_step
-
-    for batch, height, width in shapes:
-        model_flops_per_step(batch, height if height == width else (height, width))
-    return model_flops_per_step.cache_info().currsize
+FILL_TIMEOUT_S = 600  # workers still filling then are killed: the cells make what is missing
 
 
 def _fill_caches(data: list[dict], workers: int | None = None) -> int:
     """Every image of each entry's datasets into its on-disk cache, by `workers` forked
-    processes (default: one a core, at most one an image) taking every n-th image; returns
-    how many workers ended well. A worker that fails leaves its images to the cells, which
-    make them (or report what is wrong with the data) as they would without this."""
+    processes (default: one a core) taking every n-th image; returns how many workers ended
+    well. A worker that fails leaves its images to the cells, which make them (or report
+    what is wrong with the data) as they would without this."""
     if not data:
         return 0
     workers = max(1, min(workers or os.cpu_count() or 1, 64))
@@ -185,7 +180,22 @@ def _fill_caches(data: list[dict], workers: int | None = None) -> int:
             finally:
                 os._exit(code)
         pids.append(pid)
-    return sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 for pid in pids)
+    return sum(code == 0 for code in _wait_all(pids, time.time() + FILL_TIMEOUT_S))
+
+
+def _wait_all(pids: list[int], deadline: float) -> list[int]:
+    """The exit codes of `pids`; those still running at `deadline` are killed."""
+    codes: dict[int, int] = {}
+    while len(codes) < len(pids):
+        for pid in pids:
+            if pid not in codes and (done := os.waitpid(pid, os.WNOHANG))[0]:
+                codes[pid] = os.waitstatus_to_exitcode(done[1])
+        if time.time() > deadline:
+            for pid in set(pids) - set(codes):
+                os.kill(pid, signal.SIGKILL)
+                codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        time.sleep(0.02)
+    return [codes[pid] for pid in pids]
 
 
 def _fill_share(data: list[dict], share: int, workers: int) -> None:
@@ -281,10 +291,9 @@ def serve(address: str) -> None:
                     conn.close()
                     continue
                 request = json.loads(request.split(b"\n", 1)[0])
-                if "warm" in request:  # figures for the children, counted here, never forked
-                    _fill_caches(request.get("data", []))
-                    conn.sendall(json.dumps({"warmed": _warm_figures(request["warm"])}).encode()
-                                 + b"\n")
+                if "data" in request:  # the cells' images, made by workers; nothing forked
+                    workers_ok = _fill_caches(request["data"])
+                    conn.sendall(json.dumps({"workers_ok": workers_ok}).encode() + b"\n")
                     conn.close()
                     continue
                 _check_no_cuda()

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from memstudy.grid import claims
-from memstudy.grid.cells import CRASHED, KILLED, CellProcess, warm_server
+from memstudy.grid.cells import CRASHED, KILLED, CellProcess, cache_images
 from memstudy.grid.claims import Holder, Runner
 from memstudy.grid.history import older_records
 from memstudy.grid.spec import Cell, GridSpec, expand
@@ -63,8 +63,8 @@ def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
             todo.append(cell)
     for index, why in older_records(todo, db).items():
         progress(f"[{index}/{len(cells)}] {why}")
-    if warmed := warm_server([cell.config for cell in todo], db_path):
-        progress(warmed)
+    if cached := cache_images([cell.config for cell in todo], db_path):
+        progress(cached)
     _Scheduler(result, todo, GpuSlots(pool), db, spec.timeout_s, progress, poll_s,
                runner, retry).run()
     return result
