@@ -77,3 +77,10 @@ def test_the_server_fills_the_cells_image_cache_before_them(server, tmp_path):
     for dataset in build_datasets(config.data, 96, 1, 32):
         for index in range(len(dataset)):
             assert dataset._cache_path(dataset.sources[index]).is_file()
+
+
+def test_a_forked_module_that_exits_with_none_exits_0(server, tmp_path):
+    """sys.exit(None), as timeit's `python -m timeit` ends, is success as for the interpreter."""
+    log = tmp_path / "none.log"
+    assert server.popen(["-m", "timeit", "-n", "1", "-r", "1", "pass"], {}, log).wait() == 0, \
+        log.read_text()
