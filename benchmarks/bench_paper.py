@@ -5,9 +5,10 @@ database and prints, per technique set: our final train / validation loss as mea
 seeds (n) next to the paper's (benchmarks/specs/paper-published.toml, Rodriguez et al.,
 seeds/003, Tables 1-2), and whether the set's validation loss differs from original's beyond
 the seed spread: the intervals mean ± std of the two do not overlap (a set of one seed: whether
-its value lies outside original's interval). A seed whose final training loss is exactly 1
-never trained (MS-SSIM clamped to 0 from its first step, so every gradient is 0; docs/paper.md):
-it is named in its own column and left out of the loss means, not averaged in. Table 2: forward
+its value lies outside original's interval). A seed that did not train (the recorded flag
+runs.trained: its loss bit-identical at every step, MS-SSIM clamped to 0 so every gradient is
+0; docs/metrics.md, docs/paper.md) is named in its own column and left out of the loss means,
+not averaged in. Table 2: forward
 and backward MB (each phase's peak above its start, the study's increment; docs/report.md) and
 the time per epoch (the mean over the epochs after the first, which holds cuDNN's autotuning
 and the metered steps), ours next to the paper's. Figure 2: each set's forward and backward MB
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from memstudy.bytesize import mb
 from memstudy.grid import expand, load_spec
-from memstudy.report.data import device_of, load_runs, open_db, phase_peak
+from memstudy.report.data import device_of, did_not_train, load_runs, open_db, phase_peak
 from memstudy.report.tables import spread
 from memstudy.text_table import render_table
 
@@ -45,14 +46,9 @@ def runs_by_set(db: str, gpu: str | None) -> dict[str, list[dict]]:
     return by_set
 
 
-def never_trained(run: dict) -> bool:
-    """1 - MS-SSIM is exactly 1 only where MS-SSIM's clamp (relu of each scale's term) gave 0,
-    and then its gradient is 0 too: a last epoch whose every step had loss 1 never moved."""
-    return (run["last_epoch"] or {}).get("train_loss") == 1.0
-
-
 def trained(runs: list[dict]) -> list[dict]:
-    return [r for r in runs if r["status"] == "ok" and not never_trained(r)]
+    """The finished runs that trained: the recorded flag (runs.trained, memstudy.trained)."""
+    return [r for r in runs if r["status"] == "ok" and not did_not_train(r)]
 
 
 def loss_stats(runs: list[dict], key: str, scale: float) -> tuple:
@@ -90,7 +86,7 @@ def table1(part: dict, by_set: dict, scale: float) -> tuple[list[str], list[list
         train, val = loss_stats(runs, "train_loss", scale), loss_stats(runs, "val_loss", scale)
         status = ", ".join(sorted({r["status"] for r in runs})) or "not run"
         dead = ", ".join(str(r["config"]["train"]["seed"]) for r in runs
-                         if r["status"] == "ok" and never_trained(r)) or "-"
+                         if did_not_train(r)) or "-"
         rows.append([paper["paper"], name, _cell(train), _published(paper, "train_loss"),
                      _cell(val), _published(paper, "val_loss"),
                      "-" if name == "original" else differs(val, base), dead, status])

@@ -14,6 +14,7 @@ from memstudy.console import eprint
 from memstudy.techniques import check_early
 from memstudy.store import RANK_MAX, RANK_MEAN, ResultsDB, default_db_path
 from memstudy.text_table import phase_table
+from memstudy.trained import describe, loss_ranges
 from memstudy.bytesize import mb
 
 
@@ -78,10 +79,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if rec.status == "ok" else 1
 
 
+def not_trained_reason(rec) -> str:
+    """'' unless the run did not train: then why it is flagged (memstudy.trained)."""
+    return describe(rec.trained, loss_ranges(rec.series))
+
+
 def summarize(rec) -> str:
     t = rec.config["train"]
     head = (f"{rec.name} | {t['image_size']} px | batch {t['batch_size']} | {rec.env.get('gpu_name') or rec.env['device']}"
-            f" | status {rec.status}" + (f" in {rec.failed_phase}: {rec.error}" if rec.failed_phase else ""))
+            f" | status {rec.status}" + (f" in {rec.failed_phase}: {rec.error}" if rec.failed_phase else "")
+            + (f" | {why}" if (why := not_trained_reason(rec)) else ""))
     metrics: dict[str, dict[str, float]] = {}
     world = rec.config.get("world_size", 1)
     shown = 0 if world == 1 else RANK_MAX  # distributed: the maximum over ranks decides fit

@@ -33,6 +33,7 @@ STATUSES = ("ok", "oom", "error", "diverged")
 # ranks, as the study reports per GPU, and the maximum, which decides whether a run fits a budget
 RANK_MEAN, RANK_MAX = -1, -2
 PROBE_LABEL = "maxres probe"  # runs.label of memstudy maxres probes (reports leave them out)
+NOT_TRAINED = "did not train"  # how outcomes name a run whose runs.trained is 0
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -52,7 +53,9 @@ CREATE TABLE IF NOT EXISTS runs (
     finished_at REAL NOT NULL,
     config_json TEXT NOT NULL,
     env_json TEXT NOT NULL,
-    run_uid TEXT                  -- random id of the run, kept by merges (NULL: older runs)
+    run_uid TEXT,                 -- random id of the run, kept by merges (NULL: older runs)
+    trained INTEGER               -- 0: the loss never moved (memstudy.trained); 1: it did;
+                                  -- NULL: not judged (under two steps, or an older memstudy)
 );
 CREATE INDEX IF NOT EXISTS runs_hash ON runs (config_hash);
 CREATE TABLE IF NOT EXISTS claims (  -- grid cells being run now (memstudy.grid.claims)
@@ -152,6 +155,7 @@ class RunRecord:
     failed_phase: str | None = None
     error: str | None = None
     run_uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    trained: bool | None = None  # memstudy.trained.judge over the run's loss series
     metrics: list[tuple[int, str, str, float]] = field(default_factory=list)  # rank, phase, name, value
     epochs: list[dict[str, Any]] = field(default_factory=list)  # rank, epoch, steps, losses, time_s
     series: list[tuple[int, int, str, float]] = field(default_factory=list)  # rank, step, name, value
@@ -163,6 +167,13 @@ BUSY_TIMEOUT_S = 60
 
 class DatabaseError(MemstudyError):
     """A results database that cannot be used; the message names the file and what to do."""
+
+
+def describe_outcome(status: str, failed_phase: str | None, trained: bool | int | None = None) -> str:
+    """A recorded run's outcome in a few words, as `memstudy run`, grids and reports show it:
+    'ok', 'ok, did not train' (runs.trained = 0), 'oom in forward'."""
+    text = status + (f" in {failed_phase}" if failed_phase else "")
+    return text + (f", {NOT_TRAINED}" if trained is not None and not trained else "")
 
 
 def default_db_path() -> str:
@@ -306,12 +317,13 @@ class ResultsDB:
             cur = con.execute(
                 "INSERT INTO runs (config_hash, name, label, status, failed_phase, error, "
                 "image_size, batch_size, world_size, device, gpu_name, started_at, finished_at, "
-                "config_json, env_json, run_uid) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "config_json, env_json, run_uid, trained) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (rec.config_hash, rec.name, rec.label, rec.status, rec.failed_phase, rec.error,
                  train["image_size"], train["batch_size"], rec.config.get("world_size", 1),
                  str(rec.env.get("device")), rec.env.get("gpu_name"), rec.started_at,
                  rec.finished_at, json.dumps(rec.config, sort_keys=True),
-                 json.dumps(rec.env, sort_keys=True, default=str), rec.run_uid))
+                 json.dumps(rec.env, sort_keys=True, default=str), rec.run_uid,
+                 None if rec.trained is None else int(rec.trained)))
             run_id = int(cur.lastrowid)
             con.executemany("INSERT INTO metrics VALUES (?,?,?,?,?)",
                             [(run_id, r, p, n, _num(v)) for r, p, n, v in rec.metrics])
@@ -411,12 +423,14 @@ def _columns(con: sqlite3.Connection, schema: str, table: str) -> list[str]:
 
 def _migrate(con: sqlite3.Connection) -> None:
     """Add what this memstudy records to a database of an older one (nothing if present)."""
-    if "run_uid" in _columns(con, "main", "runs") and con.execute(
+    if {"run_uid", "trained"} <= set(_columns(con, "main", "runs")) and con.execute(
             "SELECT 1 FROM sqlite_master WHERE name = 'claims'").fetchone():
         return
     try:
         con.executescript(SCHEMA)
         _add_run_uid(con)
+        if "trained" not in _columns(con, "main", "runs"):  # older runs stay NULL: not judged
+            con.execute("ALTER TABLE runs ADD COLUMN trained INTEGER")
     except sqlite3.OperationalError as exc:
         if "readonly" not in str(exc):
             raise

@@ -14,14 +14,15 @@ from memstudy.store import ResultsDB, RunRecord  # noqa: E402
 MB = 1024**2
 
 
-def paper_run(db, name: str, seed: int, val: float, fwd_mb: float = 500, train: float | None = None) -> None:
+def paper_run(db, name: str, seed: int, val: float, fwd_mb: float = 500, train: float | None = None,
+              trained: bool = True) -> None:
     metrics = [(0, phase, key, value) for phase, inc in (("forward", fwd_mb), ("backward", 100))
                for key, value in (("alloc_peak_bytes", inc * MB), ("alloc_start_bytes", 300 * MB))]
     db.record(RunRecord(
         config={"train": {"image_size": 512, "batch_size": 1, "seed": seed}, "world_size": 1,
                 "label": bench_paper.LABEL}, config_hash=f"{name}{seed}", name=name, status="ok",
         env={"device": "cuda:0", "gpu_name": "Test GPU"}, started_at=0.0, label=bench_paper.LABEL,
-        metrics=metrics, epochs=[  # the first epoch's time (autotuning) is not the epoch time
+        trained=trained, metrics=metrics, epochs=[  # the first epoch's time (autotuning) is not the epoch time
             {"epoch": 0, "steps": 1, "train_loss": 0.5, "val_loss": 0.5, "time_s": 90.0},
             {"epoch": 49, "steps": 48, "train_loss": val if train is None else train,
              "val_loss": val, "time_s": 30.0}]))
@@ -45,7 +46,7 @@ def test_tables_beside_the_paper_with_the_seed_spread_flag(tmp_path, capsys):
         paper_run(db, "amp:fp16", seed, 0.063 + noise)      # 3 std apart: beyond the spread
         paper_run(db, "invertible", seed, 0.0605 + noise)   # within it
         paper_run(db, "checkpoint:block", seed, 0.0615 + noise)  # 1.5 std: intervals overlap
-    paper_run(db, "original", 3, 1.0, train=1.0)           # never trained: named, not averaged
+    paper_run(db, "original", 3, 1.0, train=1.0, trained=False)  # flagged: named, not averaged
     paper_run(db, "quantization", 0, 0.07)                   # one seed: against original's spread
     paper_run(db, "amp:fp16+checkpoint:block", 0, 0.0601)
     assert bench_paper.main([str(db.path), "--format", "md"]) == 0
@@ -61,6 +62,18 @@ def test_tables_beside_the_paper_with_the_seed_spread_flag(tmp_path, capsys):
     table2 = out.split("Table 2")[1].split("Figure 2")[0]
     assert "| 500.00 ± 0.00 | 757.76 |" in table2  # our forward MB beside the paper's
     assert "| 30.00 ± 0.00 | 35.63 |" in table2   # epochs after the first only
+
+
+def test_the_recorded_flag_decides_which_seeds_did_not_train(tmp_path, capsys):
+    """A last epoch at loss 1 is not taken as proof: only runs.trained = 0 leaves a seed out."""
+    db = ResultsDB(tmp_path / "paper.sqlite")
+    paper_run(db, "original", 0, 0.5, train=1.0)                 # trained (flag 1): averaged
+    paper_run(db, "original", 1, 0.7, train=1.0, trained=False)  # did not train: named
+    assert bench_paper.main([str(db.path), "--format", "md"]) == 0
+    original = next(row for row in capsys.readouterr().out.split("Table 1B")[0].splitlines()
+                    if "| original |" in row)
+    assert "| 100.0000 (n=1) |" in original and "| 50.0000 (n=1) |" in original
+    assert original.rstrip().endswith("| 1 | ok |")
 
 
 def test_figure2_is_memory_over_originals(tmp_path, capsys):

@@ -26,7 +26,7 @@ from memstudy.errors import ConfigError
 from memstudy.grid import forkserver
 from memstudy.grid.spec import config_hash
 from memstudy.runner import resolved, run_name
-from memstudy.store import ResultsDB, RunRecord
+from memstudy.store import ResultsDB, RunRecord, describe_outcome
 
 KILLED = "killed"  # outcomes that leave no record: a rerun runs the cell again
 CRASHED = "crashed"
@@ -161,17 +161,18 @@ class CellProcess:
         self.proc.wait()
 
     def finish(self, timed_out: bool = False) -> str:
-        """The cell's outcome: its recorded status, 'timeout' (recorded here), or killed/crashed.
+        """The cell's outcome: its recorded status (', did not train' added for a run whose loss
+        never moved: memstudy.trained), 'timeout' (recorded here), or killed/crashed.
         A recorded run also leaves where the cell's time went in `self.times`."""
         ended = time.time()
         db = ResultsDB(self.db_path)
-        rows = db.query("SELECT id, status, failed_phase, started_at, finished_at FROM runs "
+        rows = db.query("SELECT id, status, failed_phase, trained, started_at, finished_at FROM runs "
                         "WHERE config_hash = ? AND id > ? ORDER BY id DESC LIMIT 1",
                         (self.hash, self.before))
         if rows:
             r = rows[0]
             self.times = CellTimes.of_run(db, r, self.started, ended)
-            return r["status"] + (f" in {r['failed_phase']}" if r["failed_phase"] else "")
+            return describe_outcome(r["status"], r["failed_phase"], r["trained"])
         if timed_out:
             record_timeout(db, self.config, self.hash, self.started, self.gpu)
             return "error in timeout"

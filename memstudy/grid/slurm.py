@@ -32,7 +32,7 @@ from memstudy.errors import ConfigError
 from memstudy.grid.cells import CRASHED, KILLED, cells_folder, record_timeout, write_cell_config
 from memstudy.grid.run import GridResult
 from memstudy.grid.spec import Cell, GridSpec, expand
-from memstudy.store import ResultsDB, merge_databases
+from memstudy.store import ResultsDB, merge_databases, describe_outcome
 
 LAUNCHERS = ("slurm", "submitit-local")
 
@@ -87,14 +87,14 @@ def gather(db_path: str | Path, cell: Cell) -> str | None:
         finished = cell.hash in ResultsDB(path).recorded_hashes()
         if finished and cell.hash not in main.recorded_hashes():  # one copy, never two
             merge_databases(db_path, [path])
-    rows = main.query("SELECT status, failed_phase FROM runs WHERE config_hash = ? "
+    rows = main.query("SELECT status, failed_phase, trained FROM runs WHERE config_hash = ? "
                       "ORDER BY id DESC LIMIT 1", (cell.hash,))
     if not rows:
         return None
     for path in cell_databases(db_path, cell):  # merged, or a duplicate of a merged run
         for extra in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
             extra.unlink(missing_ok=True)
-    return rows[0]["status"] + (f" in {rows[0]['failed_phase']}" if rows[0]["failed_phase"] else "")
+    return describe_outcome(rows[0]["status"], rows[0]["failed_phase"], rows[0]["trained"])
 
 
 def run_grid_submitit(spec: GridSpec, db_path: str | Path, launcher: str,

@@ -10,7 +10,7 @@ w1 + w2 + w3:
      live tensor bytes on the CPU), the figure a memory budget caps
   E  run/energy_j           NVML energy of the training loop (absent on the CPU)
 A run missing a figure whose weight is not zero gets no C (it is not silently dropped from
-the objective). Weights come from `memstudy report --cost-weights w1,w2,w3` (default 1,1,1).
+the objective); a run that did not train (memstudy.trained) gets no row. Weights come from `memstudy report --cost-weights w1,w2,w3` (default 1,1,1).
 
 Accumulation (eq. 9): k_optimal = argmax_k Throughput(k) / Memory(k) among measured runs of
 one effective batch B_eff = batch_size x k (same size, device and other techniques);
@@ -25,7 +25,7 @@ from typing import Any
 
 from memstudy.bytesize import mb
 from memstudy.errors import ConfigError
-from memstudy.report.data import device_of, load_runs
+from memstudy.report.data import device_of, did_not_train, load_runs
 from memstudy.sizes import size_sort_key
 
 Rows = list[dict[str, Any]]
@@ -65,7 +65,8 @@ def parse_weights(text: str) -> tuple[float, float, float]:
 
 def cost(db, weights: tuple[float, float, float] = DEFAULT_WEIGHTS) -> Rows:
     """Eq. 3 for every finished run (see the module docstring for T, M, E and the norm)."""
-    rows = [_figures(r) for r in load_runs(db) if r["status"] == "ok"]
+    # a run that did not train reaches no target: it is not a working set to weigh
+    rows = [_figures(r) for r in load_runs(db) if r["status"] == "ok" and not did_not_train(r)]
     groups: dict[tuple, Rows] = defaultdict(list)
     for row in rows:
         groups[(row["image_size"], row["device"])].append(row)

@@ -12,6 +12,7 @@ from typing import Any
 from memstudy.errors import ConfigError
 from memstudy.phases import TRAIN_PHASES  # noqa: F401 (reports import it from here)
 from memstudy.store import PROBE_LABEL, RANK_MAX, RANK_MEAN, ResultsDB  # noqa: F401
+from memstudy.trained import judge
 
 
 def open_db(db: str | Path | ResultsDB) -> ResultsDB:
@@ -53,8 +54,9 @@ def absolute_phase_peaks(metrics: dict[str, dict[str, float]], env: dict) -> dic
 
 def load_runs(db: str | Path | ResultsDB, probes: bool = False) -> list[dict[str, Any]]:
     """Every run as a dict: the runs row, `metrics` {phase: {name: value}} (a distributed run:
-    the mean over ranks), `env`, `config`, `last_epoch` (losses of the final epoch, rank 0)
-    and `peaks` (absolute phase peaks; a distributed run: the maximum over ranks).
+    the mean over ranks), `env`, `config`, `last_epoch` (losses of the final epoch, rank 0),
+    `peaks` (absolute phase peaks; a distributed run: the maximum over ranks) and `trained`
+    (False: the run did not train, memstudy.trained; None: not judged).
     maxres probes are left out unless `probes`."""
     db = open_db(db)
     runs = db.runs()
@@ -76,7 +78,27 @@ def load_runs(db: str | Path | ResultsDB, probes: bool = False) -> list[dict[str
         run["last_epoch"] = last.get(run["id"])
         run["peaks"] = absolute_phase_peaks(metrics.get((run["id"], RANK_MAX), own), run["env"])
         out.append(run)
+    _fill_trained(db, out)
     return out
+
+
+def _fill_trained(db: ResultsDB, runs: list[dict[str, Any]]) -> None:
+    """`trained` of every run as a bool or None: the recorded flag, else (a run recorded before
+    the flag, or a database opened read-only) judged by the same rule from its loss series."""
+    ranges: dict[int, list] = {}
+    if any(r.get("trained") is None for r in runs):  # per rank: (steps, min, max) of its loss
+        for row in db.query("SELECT run_id, COUNT(*) AS n, MIN(value) AS lo, MAX(value) AS hi "
+                            "FROM series WHERE name = 'loss' GROUP BY run_id, rank"):
+            ranges.setdefault(row["run_id"], []).append((row["n"], row["lo"], row["hi"]))
+    for run in runs:
+        flag = run.get("trained")
+        run["trained"] = judge(ranges.get(run["id"], [])) if flag is None else bool(flag)
+
+
+def did_not_train(run: dict[str, Any]) -> bool:
+    """A finished run whose training loss never moved (memstudy.trained): its memory and time
+    are measured, its losses say nothing about the technique set."""
+    return run["status"] == "ok" and run["trained"] is False
 
 
 def load_maxres(db: str | Path | ResultsDB) -> list[dict[str, Any]]:

@@ -4,7 +4,9 @@ From every recorded run (maxres probes included: they are real runs under a budg
 one *candidate* per protocol: the runs of one configuration that differ only in their seed
 (and label). A candidate carries the mean and spread over its seeds (mean, std, n) of the step
 time and the final validation loss, and the largest absolute peak over its seeds: what a budget
-caps, so the worst seed decides whether a set fits.
+caps, so the worst seed decides whether a set fits. A seed that did not train (memstudy.trained)
+keeps its memory and time but gives no validation loss; a candidate none of whose finished
+seeds trained is not ranked (decisions, Pareto) and is named in the decision's note.
 
 The trade-off this section makes explicit: a budget only caps *absolute* memory, the CUDA
 context included, while the study's tables show each phase's *increment* above its start. A
@@ -28,10 +30,11 @@ from statistics import median
 from typing import Any
 
 from memstudy.bytesize import mb, parse_bytes
-from memstudy.report.data import (TRAIN_PHASES, device_of, load_maxres, load_runs, open_db,
-                                  phase_peak)
+from memstudy.report.data import (TRAIN_PHASES, device_of, did_not_train, load_maxres,
+                                  load_runs, open_db, phase_peak)
 from memstudy.report.tables import spread
 from memstudy.sizes import size_hw, size_sort_key
+from memstudy.store import NOT_TRAINED, describe_outcome
 
 Rows = list[dict[str, Any]]
 BASELINE = "original"
@@ -89,15 +92,17 @@ def _candidate(runs: Rows, context_by_gpu: dict[str, float]) -> dict[str, Any]:
     first, ok = runs[0], [r for r in runs if r["status"] == "ok"]
     peaks = [absolute_peak(r, context_by_gpu) for r in ok]
     step = spread([r["metrics"].get("run", {}).get("step_time_s") for r in ok])
-    val = spread([(r["last_epoch"] or {}).get("val_loss") for r in ok])
+    # memory and time hold for every finished seed; quality only for the seeds that trained
+    val = spread([(r["last_epoch"] or {}).get("val_loss") for r in ok if not did_not_train(r)])
     failed = [r for r in runs if r["status"] != "ok"]
     return {"name": first["name"], "image_size": first["image_size"],
             "batch_size": first["batch_size"], "world_size": first["world_size"],
             "device": device_of(first), "techniques": first["config"].get("techniques", []),
             "budget": first["config"].get("budget"), "label": first["label"] or "-",
             "ok": len(ok), "runs": len(runs),
-            "failed": (failed[-1]["status"] + (f" in {failed[-1]['failed_phase']}"
-                                               if failed[-1]["failed_phase"] else "")) if failed else None,
+            "not_trained": sum(did_not_train(r) for r in ok),
+            "failed": describe_outcome(failed[-1]["status"], failed[-1]["failed_phase"])
+                      if failed else None,
             "peak_bytes": max((p for p, _e in peaks if p is not None), default=None),
             "context_estimated": any(e for _p, e in peaks),
             "step_time_s": step[0], "step_time_s_std": step[1], "step_n": step[2],
@@ -147,31 +152,41 @@ def decisions(db, budgets: list[int] | None = None) -> Rows:
     budgets = budgets if budgets is not None else budgets_found(db)
     rows = []
     for (device, size), group in _by(cands, "device", "image_size").items():
-        ok = [c for c in group if c["ok"] and c["peak_bytes"] is not None and c["step_time_s"]]
+        measured = [c for c in group if c["ok"] and c["peak_bytes"] is not None and c["step_time_s"]]
+        ok = [c for c in measured if works(c)]
         base = min((c for c in ok if c["name"] == BASELINE), key=lambda c: c["step_time_s"],
                    default=None)
         if not ok:
-            continue  # only failed runs at this size: nothing to decide between
+            continue  # only failed (or never trained) runs at this size: nothing to decide between
+        dead = [c for c in measured if not works(c)]
         for budget in budgets:
-            rows.append(_decision(cands, ok, base, device, size, budget))
+            rows.append(_decision(cands, ok, base, device, size, budget, dead))
     return sorted(rows, key=lambda r: (r["device"], r["budget_bytes"], size_sort_key(r["image_size"])))
 
 
-def _decision(cands, ok, base, device, size, budget) -> dict[str, Any]:
+def works(cand: dict[str, Any]) -> bool:
+    """A candidate ranked as a working technique set: some seed finished and not every
+    finished seed did not train (memstudy.trained; an unjudged run counts as trained)."""
+    return cand["ok"] > cand["not_trained"]
+
+
+def _decision(cands, ok, base, device, size, budget, dead=()) -> dict[str, Any]:
     fitting = [c for c in ok if c["peak_bytes"] <= budget]
+    left_out = sorted({c["name"] for c in dead if c["peak_bytes"] <= budget})
+    left_out_note = f"not ranked, {NOT_TRAINED}: {', '.join(left_out)}" if left_out else ""
     row = {"device": device, "budget_bytes": budget, "budget": _gib(budget), "image_size": size,
            "fits": f"{len({c['name'] for c in fitting})}/{len({c['name'] for c in ok})}"}
     if not fitting:
         closest = min(ok, key=lambda c: c["peak_bytes"])
-        row.update(name="(none fits)", note=f"smallest peak {mb(closest['peak_bytes']):.0f} MB: "
-                   f"{closest['name']}")
+        row.update(name="(none fits)", note="; ".join(filter(None, (
+            f"smallest peak {mb(closest['peak_bytes']):.0f} MB: {closest['name']}", left_out_note))))
         return row
     best = min(fitting, key=lambda c: (c["step_time_s"], c["peak_bytes"]))
     delta, delta_std, at = quality_cost(cands, best["name"], device, size)
     row.update(name=best["name"], peak_mb=mb(best["peak_bytes"]),
                step_time_s=best["step_time_s"], step_time_s_std=best["step_time_s_std"],
                runs=best["ok"], val_loss_delta=delta, val_loss_delta_std=delta_std,
-               note=_note(best, base, at, size))
+               note="; ".join(filter(None, (_note(best, base, at, size), left_out_note))))
     if base is not None:
         row["time_vs_original"] = best["step_time_s"] / base["step_time_s"]
     return row
@@ -183,6 +198,9 @@ def _note(best, base, quality_at, size) -> str:
         notes.append("original not measured ok at this size")
     if quality_at is not None and quality_at != size:
         notes.append(f"quality at {quality_at} px")
+    if best["not_trained"]:
+        notes.append(f"{best['not_trained']} of {best['ok']} seeds {NOT_TRAINED} (quality "
+                     "from the others)")
     if best["context_estimated"]:
         notes.append("context estimated")
     return "; ".join(notes)
@@ -205,7 +223,7 @@ def pareto(db) -> Rows:
     and step time (smaller is better on each)."""
     rows = []
     for (_device, _size), group in _by(candidates(db), "device", "image_size").items():
-        ok = [c for c in group if c["ok"] and c["peak_bytes"] and c["step_time_s"]
+        ok = [c for c in group if works(c) and c["peak_bytes"] and c["step_time_s"]
               and c["world_size"] == 1]
         for c in ok:
             dominated = any(o is not c and o["peak_bytes"] <= c["peak_bytes"]

@@ -12,9 +12,10 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
 
-from memstudy.report.data import TRAIN_PHASES, device_of, load_maxres, load_runs, phase_peak
+from memstudy.report.data import (TRAIN_PHASES, device_of, did_not_train, load_maxres, load_runs,
+                                  phase_peak)
 from memstudy.sizes import size_sort_key
-from memstudy.store import ResultsDB
+from memstudy.store import NOT_TRAINED, ResultsDB, describe_outcome
 from memstudy.bytesize import mb
 
 BASELINE = "original"
@@ -68,11 +69,13 @@ def _spread_of(key: str, values: list[float | None]) -> dict[str, float | None]:
 
 
 def _status(runs: Rows) -> str:
-    ok = sum(r["status"] == "ok" for r in runs)
+    """'ok', 'ok 2/3', 'ok, 1 did not train' (memstudy.trained), or the last run's failure."""
+    ok, dead = sum(r["status"] == "ok" for r in runs), sum(did_not_train(r) for r in runs)
     if ok:
-        return "ok" if ok == len(runs) else f"ok {ok}/{len(runs)}"
+        return ("ok" if ok == len(runs) else f"ok {ok}/{len(runs)}") + (
+            f", {dead} {NOT_TRAINED}" if dead else "")
     last = runs[-1]
-    return last["status"] + (f" in {last['failed_phase']}" if last["failed_phase"] else "")
+    return describe_outcome(last["status"], last["failed_phase"], last["trained"])
 
 
 def _key(row: dict[str, Any]) -> tuple:
@@ -101,7 +104,11 @@ def phase_memory(db: DB, image_size: int | None = None) -> Rows:
 
 
 def losses(db: DB, image_size: int | None = None) -> Rows:
-    """Table 1: train and validation loss (1 - MS-SSIM) of the final epoch, SSIM and PSNR."""
+    """Table 1: train and validation loss (1 - MS-SSIM) of the final epoch, SSIM and PSNR.
+
+    Runs that did not train (memstudy.trained) are counted in `not_trained`, never averaged
+    in: their loss is the clamp's, not the technique set's; a group of only such runs shows
+    no loss."""
     rows = []
     for (name, size, batch, device), runs in _groups(load_runs(db)).items():
         # runs without validation (memory grids) have no place in a loss table
@@ -109,13 +116,14 @@ def losses(db: DB, image_size: int | None = None) -> Rows:
                 and r["last_epoch"].get("val_loss") is not None]
         if (image_size is not None and size != image_size) or not done:
             continue
-        last = [r["last_epoch"] for r in done]
+        last = [r["last_epoch"] for r in done if not did_not_train(r)]
         rows.append({"name": name, "image_size": size, "batch_size": batch, "device": device,
-                     "epochs": max(e["epoch"] for e in last) + 1,
+                     "epochs": max(r["last_epoch"]["epoch"] for r in done) + 1,
                      **_spread_of("train_loss", [e["train_loss"] for e in last]),
                      **_spread_of("val_loss", [e["val_loss"] for e in last]),
                      "val_ssim": _avg([e["val_ssim"] for e in last]),
-                     "val_psnr": _avg([e["val_psnr"] for e in last]), "runs": len(done)})
+                     "val_psnr": _avg([e["val_psnr"] for e in last]), "runs": len(last),
+                     "not_trained": len(done) - len(last)})
     return sorted(rows, key=_key)
 
 
@@ -168,7 +176,7 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
     "losses": [("name", "techniques"), ("image_size", "px"), ("batch_size", "batch"),
                ("device", "device"), ("epochs", "epochs"), ("train_loss", "train loss"),
                ("val_loss", "val loss"), ("val_ssim", "val SSIM"), ("val_psnr", "val PSNR dB"),
-               ("runs", "runs")],
+               ("runs", "runs"), ("not_trained", NOT_TRAINED)],
     "memory_ratios": [("name", "techniques"), ("image_size", "px"), ("batch_size", "batch"),
                       ("device", "device"), ("forward", "Forward"), ("backward", "Backward"),
                       ("step", "Step")],
@@ -184,7 +192,8 @@ COLUMNS: dict[str, list[tuple[str, str]]] = {
 }
 
 TITLES = {"phase_memory": "Per-phase peak memory (MB above the phase's start) and time",
-          "losses": "Loss (1 - MS-SSIM) of the final epoch, validation SSIM and PSNR",
+          "losses": "Loss (1 - MS-SSIM) of the final epoch, validation SSIM and PSNR (runs that "
+                    "did not train counted apart, not averaged in; docs/metrics.md)",
           "memory_ratios": "Peak memory relative to original, per phase (smaller is better)",
           "largest_size": "Largest trainable square size under the budget",
           "tri_efficiency": "Tri-Accel efficiency score: val MS-SSIM % / (s per epoch x "
@@ -227,12 +236,14 @@ def _fmt(value: Any, digits: int, raw: bool, std: float | None = None) -> Any:
 
 
 def loss_curves(db: DB, image_size: int | None = None) -> Rows:
-    """Per-step training loss of every finished run (maxres probes left out)."""
+    """Per-step training loss of every finished run (maxres probes left out); a run that did
+    not train keeps its flat line, named as such."""
     db_ = db if isinstance(db, ResultsDB) else ResultsDB(db)
     keep = {r["id"]: r for r in load_runs(db) if r["status"] == "ok"
             and (image_size is None or r["image_size"] == image_size)}
     rows = db_.query("SELECT run_id, step, value FROM series WHERE name = 'loss' AND rank = 0 "
                      "ORDER BY run_id, step")
-    return [{"run_id": s["run_id"], "name": keep[s["run_id"]]["name"],
+    return [{"run_id": s["run_id"], "name": keep[s["run_id"]]["name"] + (
+                 f" ({NOT_TRAINED})" if did_not_train(keep[s["run_id"]]) else ""),
              "image_size": keep[s["run_id"]]["image_size"], "step": s["step"], "loss": s["value"]}
             for s in rows if s["run_id"] in keep]
