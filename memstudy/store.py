@@ -53,9 +53,8 @@ CREATE TABLE IF NOT EXISTS runs (
     finished_at REAL NOT NULL,
     config_json TEXT NOT NULL,
     env_json TEXT NOT NULL,
-    run_uid TEXT,                 -- random id of the run, kept by merges (NULL: older runs)
-    trained INTEGER               -- 0: the loss never moved (memstudy.trained); 1: it did;
-                                  -- NULL: not judged (under two steps, or an older memstudy)
+    trained INTEGER,              -- 0: did not train, 1: trained, NULL: not judged (memstudy.trained)
+    run_uid TEXT                  -- random id of the run, kept by merges (NULL: older runs)
 );
 CREATE INDEX IF NOT EXISTS runs_hash ON runs (config_hash);
 CREATE TABLE IF NOT EXISTS claims (  -- grid cells being run now (memstudy.grid.claims)
