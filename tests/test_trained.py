@@ -14,6 +14,7 @@ import torch
 
 from conftest import small_config
 from memstudy.cli import summarize
+from memstudy.grid.cells import CellProcess
 from memstudy.grid.slurm import gather
 from memstudy.grid.spec import Cell
 from memstudy.report import build_report, decisions, load_runs, losses, phase_memory
@@ -61,7 +62,10 @@ def test_a_run_that_did_not_train_is_recorded_and_shown(dead_run):
     assert rec.trained is False            # ... of a model that never moved
     assert "| did not train (training loss 1 at every one of 2 steps)" in summarize(rec)
     assert [r["trained"] for r in db.runs()] == [0]
-    # the grid's outcome table, from the recorded row
+    # the grid's outcome table, from the recorded row: a local cell's and a Slurm cell's
+    cell = CellProcess.__new__(CellProcess)  # the run is recorded already: nothing to start
+    cell.db_path, cell.hash, cell.before, cell.started = str(db.path), rec.config_hash, 0, rec.started_at
+    assert cell.finish() == "ok, did not train"
     assert gather(db.path, Cell(0, dead_config(), hash=rec.config_hash)) == "ok, did not train"
 
 
