@@ -48,7 +48,7 @@ def cells(args: argparse.Namespace) -> list[tuple[str, list[str], list[str]]]:
 
 
 def recorded(db: Path, size: int, label: str) -> bool:
-    """A cell already recorded (a database carried from an earlier call is resumed)."""
+    """A cell already recorded (a carried database is resumed)."""
     if not db.exists():
         return False
     from memstudy.store import ResultsDB

@@ -27,7 +27,7 @@ PY=python3
 nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
 $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))" | tee "$RES/env.txt"
 
-# Databases carried from an earlier call are resumed (recorded cells are skipped): .carry/*.sqlite
+# Carried databases are resumed (recorded cells are skipped): .carry/*.sqlite
 # into $RES, .carry/<dir>/*.sqlite into $RES/<dir> (e.g. .carry/compile/compile.sqlite for the
 # compile steps; .carry/dist is $RES/distributed, its old name).
 if [ -d .carry ]; then

@@ -60,3 +60,27 @@ def test_a_forked_cell_starts_without_paying_the_imports(server, tmp_path):
                    capture_output=True, cwd=tmp_path)
     fresh = time.perf_counter() - start
     assert forked < fresh / 3, (forked, fresh)
+
+
+def test_the_server_fills_the_cells_image_cache_before_them(server, tmp_path):
+    """fill_caches: every image of the datasets is on disk afterwards, in the cache the cells
+    read, and a cell built on it finds each image there."""
+    from memstudy.config import from_dict
+    from memstudy.datasets import build_datasets
+
+    config = from_dict({"train": {"image_size": 96, "msssim_scales": 1},
+                        "data": {"train_images": 3, "val_images": 2}})
+    cache = tmp_path / "phantoms"
+    assert server.fill_caches([{"config": config.to_dict(), "cache": str(cache)}]) >= 1
+    assert len(list(cache.glob("*.npy"))) == 5
+    config.data.cache_dir = str(cache)
+    for dataset in build_datasets(config.data, 96, 1, 32):
+        for index in range(len(dataset)):
+            assert dataset._cache_path(dataset.sources[index]).is_file()
+
+
+def test_a_forked_module_that_exits_with_none_exits_0(server, tmp_path):
+    """sys.exit(None), as timeit's `python -m timeit` ends, is success as for the interpreter."""
+    log = tmp_path / "none.log"
+    assert server.popen(["-m", "timeit", "-n", "1", "-r", "1", "pass"], {}, log).wait() == 0, \
+        log.read_text()

@@ -99,6 +99,49 @@ def test_timeout_is_recorded_and_not_rerun(tmp_path):
     assert [r["status"] for r in ResultsDB(db).runs()] == ["error", "ok"]  # both attempts kept
 
 
+def test_a_grid_caches_its_images_and_says_where_each_cells_time_went(tmp_path, monkeypatch):
+    """The runner has the fork server cache the cells' images before they start, and its line
+    for a recorded cell splits the cell's wall time into start, steps (the epochs' recorded
+    time), the rest of the run and the end, which add up to the wall time."""
+    import re
+
+    monkeypatch.delenv("MEMSTUDY_CACHE", raising=False)
+    lines: list[str] = []
+    spec = load_spec(write_spec(tmp_path, [192]))
+    assert run_grid(spec, tmp_path / "r.sqlite", progress=lines.append, poll_s=0.05).outcomes == {1: "ok"}
+    assert "fork server ready and the images of 1 (data, size) cached" in lines[0]
+    assert len(list((tmp_path / "r.cells" / "phantoms").glob("*.npy"))) == 2  # 1 train, 1 val
+    (line,) = [x for x in lines if ": ok (" in x]
+    found = re.search(r"\((\S+) s: start (\S+) s, steps (\S+) s \(first (\S+) s\), build and "
+                      r"validation (\S+) s, end (\S+) s\)", line)
+    assert found, line
+    wall, start, steps, first, within, end = map(float, found.groups())
+    db = ResultsDB(tmp_path / "r.sqlite")
+    (run,) = db.runs()
+    epochs = db.query("SELECT SUM(time_s) AS s FROM epochs WHERE run_id = ?", (run["id"],))[0]["s"]
+    assert steps == pytest.approx(epochs, abs=0.051)
+    assert 0 < first <= steps + 0.05 and min(start, within, end) >= 0
+    assert start + steps + within + end == pytest.approx(wall, abs=0.26)  # 5 figures rounded
+
+
+def test_the_quick_gpu_study_stays_quick():
+    """examples/gpu.toml is the quick study (./dev/study on a GPU; docs/grid.md gives its time
+    on an H100): no compiling set, no cuDNN autotuning, and no more cells x steps than the
+    content that was timed (27 cells of 8 steps), so a set added to it is timed again."""
+    from memstudy.grid.spec import cell_config
+    from memstudy.techniques import declaring, planned_steps
+
+    spec = load_spec(Path(__file__).parents[1] / "examples/gpu.toml")
+    assert spec.base["train"]["cudnn_benchmark"] is False
+    work = 0
+    for techniques in spec.technique_sets:
+        assert not declaring(techniques, "compiles"), techniques
+        for size in spec.image_sizes:
+            cfg = cell_config(spec, techniques, size, spec.batch_sizes[0], spec.seeds[0], 1)
+            work += planned_steps(cfg, cfg.data.train_images)
+    assert work <= 27 * 8, work
+
+
 def _children(pid: int, running: str) -> list[int]:
     """Processes under `pid` (children, or a fork server's children) whose output goes to the
     log of the cell `running` (its hash names the log)."""
@@ -222,6 +265,8 @@ def test_scheduler_never_overlaps_gpus(monkeypatch, tmp_path):
     log: list[tuple[int, str | None]] = []
 
     class FakeChild:
+        times = None  # where a recorded cell's time went: none here
+
         def __init__(self, config, db_path, gpu):
             ids = gpu.split(",") if gpu else []
             assert not set(ids) & set(held), f"GPUs {ids} already held by {held}"
@@ -317,7 +362,8 @@ def test_gpu_grid_gives_a_dp_cell_two_gpus(tmp_path):
 
 
 @pytest.mark.parametrize("path, device", [("examples/quick.toml", "cpu"),
-                                          ("examples/gpu.toml", "cuda")])
+                                          ("examples/gpu.toml", "cuda"),
+                                          ("examples/gpu-full.toml", "cuda")])
 def test_shipped_grids_plan_on_the_device_they_name(path, device, monkeypatch):
     """Every cell of the example grids (the quick study's included) passes make_plan for its
     device, so a new set in them is not first refused on a GPU machine. Planned here for a
@@ -338,3 +384,25 @@ def test_shipped_grids_plan_on_the_device_they_name(path, device, monkeypatch):
             cfg = cell_config(spec, techniques, size, spec.batch_sizes[0], spec.seeds[0], 1)
             make_plan(copy.deepcopy(cfg), device=torch.device(device), n_gpus=1)
             check_measurable(cfg, cfg.data.train_images)
+
+
+def test_the_grid_has_the_fork_server_cache_each_data_and_size_once(tmp_path, monkeypatch):
+    """cache_images hands the fork server each (data, size) of the cells once (techniques and
+    batch sizes share the images), with the cache folder the cells read."""
+    from memstudy.grid import cells as grid_cells
+
+    asked: list = []
+
+    class Server:
+        def fill_caches(self, data):
+            asked.append(data)
+
+    monkeypatch.setattr(grid_cells.forkserver, "server", lambda: Server())
+    monkeypatch.delenv("MEMSTUDY_CACHE", raising=False)
+    spec = load_spec(write_spec(tmp_path, [192, "192x256", 192], batch_sizes=[1, 2],
+                                techniques=["original", "checkpoint"]))
+    grid_cells.cache_images([cell.config for cell in expand(spec) if not cell.error],
+                            tmp_path / "r.sqlite")
+    (data,) = asked
+    assert sorted(str(d["config"]["train"]["image_size"]) for d in data) == ["192", "192x256"]
+    assert {d["cache"] for d in data} == {str(tmp_path / "r.cells" / "phantoms")}

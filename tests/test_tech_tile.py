@@ -224,18 +224,54 @@ def test_keep_conv1_runs_block3_conv1_once_per_sweep(keep, calls):
     assert len(seen) == calls
 
 
-def test_boundary_offload_moves_every_region_input():
+@pytest.mark.parametrize("keep, own_norms", [
+    ("conv1", {"stem": 1, "block3.conv1": 0, "top": 3}),
+    ("all", {"stem": 1, "block3.conv1": 0, "block4.conv1": 1, "top": 1}),
+    ("bn", {"stem.conv1": 0, "stem": 0, "block3.conv1": 0, "block3.conv2": 0, "block4.conv1": 0,
+            "block4.conv2": 0, "top": 0})])
+def test_statistics_of_a_kept_tensor_come_from_the_region_that_writes_it(keep, own_norms):
+    """A region that stops before a BatchNorm returns its statistics from the sweep that writes
+    its output, so the next region computes no statistics sweep for it: a region's own
+    BatchNorms (K, which cost K + 1 sweeps each way) are those inside it only. With keep=bn
+    every region runs one sweep forward and one backward."""
+    tiled = TiledForward(build_unet(seed=0), 2, tiles=2, keep=keep)
+    assert {name: len(r.norms) - r.shared for name, r in tiled.regions.items()} == own_norms
+
+
+def test_keep_bn_runs_every_tiled_convolution_once_per_tile_each_way():
+    """keep=bn: each tiled decoder convolution runs once per tile in forward and once in
+    backward's recomputation (2 tiles: 4 calls), the stem's in its own region and again for
+    block 3's skip (8; keep=all runs it in the stem's 2 sweeps and block 3's 1, each way: 12)."""
+    counts = {}
+    for keep in ("bn", "all"):
+        model = build_unet(seed=0)
+        model.forward_padded = TiledForward(model, 2, tiles=2, keep=keep)
+        convs = {"conv1": model.encoder.conv1, "head": model.head[0]}
+        convs.update({f"block{i}.conv{k}": getattr(model.decoder_blocks[i], f"conv{k}")[0]
+                      for i in (3, 4) for k in (1, 2)})
+        seen = {name: 0 for name in convs}
+        for name, conv in convs.items():
+            conv.register_forward_hook(lambda *_, name=name: seen.__setitem__(name, seen[name] + 1))
+        model(torch.rand(1, 1, 128, 128)).square().mean().backward()
+        counts[keep] = seen
+    assert counts["bn"].pop("conv1") == 8 and set(counts["bn"].values()) == {4}, counts["bn"]
+    assert counts["all"]["conv1"] == 12 and counts["all"]["block4.conv2"] == 8, counts["all"]
+
+
+@pytest.mark.parametrize("keep", ["all", "bn"])
+def test_boundary_offload_moves_every_region_input(keep):
     """offload:which=boundaries moves what tile keeps between regions, not only checkpoint's
     region inputs: with keep=all and no checkpoint, the image and every kept first-convolution
     output (block 3's at half and block 4's at full resolution) cross to the host, once each,
-    and the gradients are those of the run without offload."""
+    and the gradients are those of the run without offload; keep=bn also moves the stem's
+    convolution output and each block's second convolution output."""
     from memstudy.techniques.offload import Offloader
 
     x = torch.rand(1, 1, 128, 128)
     grads, offloaders = [], []
     for boundaries_only in (None, True):
         model = build_unet(seed=0)
-        model.forward_padded = TiledForward(model, 2, tiles=2, keep="all")
+        model.forward_padded = TiledForward(model, 2, tiles=2, keep=keep)
         off = Offloader(torch.device("cpu"), min_bytes=0, boundaries_only=bool(boundaries_only))
         pack, unpack = (off.pack, off.unpack) if boundaries_only else (lambda t: t, lambda t: t)
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -246,5 +282,7 @@ def test_boundary_offload_moves_every_region_input():
     z3, z4 = 32 * 64 * 64 * 4, 16 * 128 * 128 * 4  # 32 ch at half, 16 ch at full resolution
     # the image, z3, z4 and the decoder's block-3 input (64 ch, 1/4 res) each once
     want = x.nbytes + z3 + z4 + 64 * 32 * 32 * 4
+    if keep == "bn":  # the stem's output (64 ch at half resolution), y3 and y4 too
+        want += 64 * 64 * 64 * 4 + z3 + z4
     assert offloaders[1].offloaded_bytes == want, (offloaders[1].offloaded_bytes, want)
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])

@@ -34,8 +34,10 @@ def _step(build, optimizer, x, y) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("techniques", [FAST, ["amp:bf16", "checkpoint",
-                                               "offload:which=boundaries", "tile:4:keep=all"]],
-                         ids=["graphs-prefetch", "eager"])
+                                               "offload:which=boundaries", "tile:4:keep=all"],
+                                        ["amp:bf16", "checkpoint", "offload:which=boundaries",
+                                         "tile:4:keep=bn"]],
+                         ids=["graphs-prefetch", "eager", "eager-keep-bn"])
 def test_gpu_tiled_step_never_syncs_with_the_host(make_config, techniques):
     """After two warm-up steps (cuDNN's choices, graph captures), a whole training step of the
     ladder's technique set (forward with the chunked loss at its auto block height, backward,
@@ -77,7 +79,8 @@ def _error(got: dict, want: dict) -> float:
 
 
 @pytest.mark.parametrize("layout", [{"levels": 2, "tiles": 4, "keep": "all"},
-                                    {"levels": 3, "tiles": 3, "keep": "conv1"}])
+                                    {"levels": 3, "tiles": 3, "keep": "conv1"},
+                                    {"levels": 2, "tiles": 4, "keep": "bn"}])
 def test_gpu_graphed_tiles_equal_eager_tiles(layout):
     """CUDA-graph replays of the tile bodies against the eager tiles: bf16 autocast within 1e-2
     relative over all gradients (the same kernels; cuDNN may choose other algorithms for the

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memstudy.tiling.norm import NormReLU, moments
+from memstudy.tiling.norm import NormReLU, moments, statistics_seed
 
 
 def _inputs(dtype=torch.float64, device="cpu", channels=3):
@@ -66,3 +66,21 @@ def test_gpu_primitives_equal_the_reference(dtype):
         assert (a - b).norm() <= tol * b.norm() + 1e-6
     for a, b in zip(moments(gpu[0].detach())[1:], moments(cpu[0].detach())[1:]):
         assert torch.allclose(a.cpu().double(), b.double(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_rows", [True, False])
+def test_gpu_statistics_seed_equals_the_reference(dtype, with_rows):
+    """The statistics' gradient seed (one primitive kernel on CUDA) against the reference
+    formula on the CPU, from the same values: within one rounding of dtype."""
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    z, mean, scale, shift, _ = _inputs(dtype, channels=16)
+    rows = torch.randn_like(z) if with_rows else None
+    want = statistics_seed(z, rows, mean, scale, shift)
+    on_gpu = [t.cuda() for t in (mean, scale, shift)]
+    z_gpu = z.cuda().to(memory_format=torch.channels_last)
+    got = statistics_seed(z_gpu, None if rows is None else rows.cuda(), *on_gpu)
+    assert got.dtype == dtype
+    got, want = got.cpu().double(), want.double()
+    assert (got - want).norm() <= tol * want.norm() + 1e-6

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +81,46 @@ def _child_setup(parent: int) -> None:
             os._exit(1)
 
 
+@dataclass
+class CellTimes:
+    """Where a recorded cell's wall time went, from the runner's clock and the run's record
+    (one host, so the clocks agree): `start` from the runner starting the cell to the run's
+    start (process or fork, imports, data, the CUDA context and the budget's measurement),
+    `steps` the training steps (the epochs' time, the first step's cuDNN set-up and lazy
+    kernel loading included; None when no epoch ended, e.g. out of memory), `within` the rest
+    of the run (model build, validation, failure handling, the record's figures) and `end`
+    from the run's end to the runner seeing the cell exit (writing the record, the process's
+    exit, the runner's polling)."""
+    wall: float
+    start: float
+    within: float
+    end: float
+    steps: float | None = None
+    first_step: float | None = None
+
+    @classmethod
+    def of_run(cls, db: ResultsDB, run, started: float, ended: float) -> "CellTimes":
+        loop = db.query("SELECT SUM(time_s) AS s FROM epochs WHERE run_id = ? AND rank = 0",
+                        (run["id"],))[0]["s"]
+        first = db.query("SELECT value FROM metrics WHERE run_id = ? AND rank = 0 AND "
+                         "phase = 'run' AND name = 'first_step_time_s'", (run["id"],))
+        in_run = run["finished_at"] - run["started_at"]
+        return cls(wall=ended - started, start=run["started_at"] - started,
+                   within=in_run - (loop or 0.0), end=ended - run["finished_at"], steps=loop,
+                   first_step=first[0]["value"] if first else None)
+
+    def describe(self) -> str:
+        steps = ("" if self.steps is None else f", steps {self.steps:.1f} s"
+                 + (f" (first {self.first_step:.1f} s)" if self.first_step is not None else ""))
+        rest = "build and validation" if self.steps is not None else "run"
+        return (f"{self.wall:.1f} s: start {self.start:.1f} s{steps}, {rest} {self.within:.1f} s,"
+                f" end {self.end:.1f} s")
+
+
 class CellProcess:
     """A running `memstudy run` child in its own process group, with its log file."""
+
+    times: CellTimes | None = None  # set by finish() once the cell's run is recorded
 
     def __init__(self, config: RunConfig, db_path: str | Path, gpu: str | None = None):
         self.config, self.db_path, self.gpu = config, str(db_path), gpu
@@ -100,7 +139,7 @@ class CellProcess:
             log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} attempt by the runner "
                       f"{socket.gethostname()} pid {parent}: {' '.join(cmd)}\n")
         if (server := forkserver.server()) is not None:  # imports paid once (grid/forkserver.py)
-            cells = {"MEMSTUDY_CACHE": str(folder / "phantoms")}  # phantoms made once per grid
+            cells = {"MEMSTUDY_CACHE": image_cache(db_path)}  # images made once per grid
             self.proc = server.popen(cmd[1:], {**cells, **env}, self.log_path)
             self.started = time.time()
             return
@@ -122,18 +161,46 @@ class CellProcess:
         self.proc.wait()
 
     def finish(self, timed_out: bool = False) -> str:
-        """The cell's outcome: its recorded status, 'timeout' (recorded here), or killed/crashed."""
+        """The cell's outcome: its recorded status, 'timeout' (recorded here), or killed/crashed.
+        A recorded run also leaves where the cell's time went in `self.times`."""
+        ended = time.time()
         db = ResultsDB(self.db_path)
-        rows = db.query("SELECT status, failed_phase FROM runs WHERE config_hash = ? AND id > ? "
-                        "ORDER BY id DESC LIMIT 1", (self.hash, self.before))
+        rows = db.query("SELECT id, status, failed_phase, started_at, finished_at FROM runs "
+                        "WHERE config_hash = ? AND id > ? ORDER BY id DESC LIMIT 1",
+                        (self.hash, self.before))
         if rows:
             r = rows[0]
+            self.times = CellTimes.of_run(db, r, self.started, ended)
             return r["status"] + (f" in {r['failed_phase']}" if r["failed_phase"] else "")
         if timed_out:
             record_timeout(db, self.config, self.hash, self.started, self.gpu)
             return "error in timeout"
         rc = self.proc.returncode
         return f"{KILLED} by signal {-rc}" if rc < 0 else f"{CRASHED} (exit {rc}, see {self.log_path})"
+
+
+def image_cache(db_path: str | Path) -> str:
+    """The on-disk image cache of a grid's cells: $MEMSTUDY_CACHE, else beside the cells, so
+    each image is made once per grid, not once per cell."""
+    return os.environ.get("MEMSTUDY_CACHE") or str(cells_folder(db_path) / "phantoms")
+
+
+def cache_images(configs: list[RunConfig], db_path: str | Path) -> str | None:
+    """Before the cells start, the fork server's workers fill the image cache of each (data,
+    size) over the CPU's cores (grid/forkserver.py). Says what was done and how long the
+    server's start and this took (once per grid); None without a fork server."""
+    started = time.time()
+    server = forkserver.server() if configs else None
+    if server is None:
+        return None
+    data = {}  # one entry per (data settings, size): the cells' datasets differ in nothing else
+    for c in configs:
+        d = c.to_dict()
+        key = json.dumps([d["data"], d["train"]["image_size"]], sort_keys=True, default=str)
+        data.setdefault(key, {"config": d, "cache": image_cache(db_path)})
+    server.fill_caches(list(data.values()))
+    return (f"fork server ready and the images of {len(data)} (data, size) cached in "
+            f"{time.time() - started:.1f} s")
 
 
 def record_timeout(db: ResultsDB, config: RunConfig, key: str, started: float,

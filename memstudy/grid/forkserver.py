@@ -17,7 +17,15 @@ generated once per grid. `MEMSTUDY_FORKSERVER=0` starts each cell as a subproces
 
 Protocol (one Unix-socket connection per cell): the runner sends one JSON line
 {"argv" (the interpreter's arguments), "env", "log"}; the server answers {"pid"} when the child is forked and {"returncode"}
-(negative: killed by that signal) when it has exited.
+(negative: killed by that signal) when it has exited. Before the cells, the runner may send
+{"data": [{"config", "cache"}, ...]}: each entry's images (phantoms generated, or files
+decoded) are written to its on-disk cache by forked workers over the CPU's cores, so no cell
+waits for them with its GPU idle; the server answers {"workers_ok": n} when they are done.
+
+The server itself runs no tensor code, only imports: an autograd pass (even on the meta
+device) starts the CUDA driver and the autograd engine's device threads, and every child
+forked after that fails to initialise CUDA (seen on an H100). Work for the cells is done in
+forked workers, never in the server.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ENABLED = os.environ.get("MEMSTUDY_FORKSERVER", "1") != "0"
@@ -93,6 +102,21 @@ class ForkServer:
         conn.sendall(json.dumps({"argv": argv, "env": env, "log": str(log)}).encode() + b"\n")
         return ForkedCell(conn)
 
+    def fill_caches(self, data: list[dict]) -> int:
+        """Have the server's workers fill the image caches of `data` ({"config": a RunConfig
+        dict, "cache": its folder}) before the cells that read them start; returns how many
+        workers ended well."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(self.address)
+            conn.sendall(json.dumps({"data": list(data)}).encode() + b"\n")
+            reply = b""
+            while not reply.endswith(b"\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    raise RuntimeError("the grid's fork server died while caching images")
+                reply += chunk
+        return json.loads(reply)["workers_ok"]
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -131,6 +155,68 @@ def _warm_imports() -> None:
     list_techniques()  # loads every technique module
 
 
+FILL_TIMEOUT_S = 600  # workers still filling then are killed: the cells make what is missing
+
+
+def _fill_caches(data: list[dict], workers: int | None = None) -> int:
+    """Every image of each entry's datasets into its on-disk cache, by `workers` forked
+    processes (default: one a core) taking every n-th image; returns how many workers ended
+    well. A worker that fails leaves its images to the cells, which make them (or report
+    what is wrong with the data) as they would without this."""
+    if not data:
+        return 0
+    workers = max(1, min(workers or os.cpu_count() or 1, 64))
+    pids = []
+    for share in range(workers):
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _fill_share(data, share, workers)
+                code = 0
+            except BaseException:  # noqa: BLE001 - the cell meets the same problem and says it
+                pass
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    return sum(code == 0 for code in _wait_all(pids, time.time() + FILL_TIMEOUT_S))
+
+
+def _wait_all(pids: list[int], deadline: float) -> list[int]:
+    """The exit codes of `pids`; those still running at `deadline` are killed."""
+    codes: dict[int, int] = {}
+    while len(codes) < len(pids):
+        for pid in pids:
+            if pid not in codes and (done := os.waitpid(pid, os.WNOHANG))[0]:
+                codes[pid] = os.waitstatus_to_exitcode(done[1])
+        if time.time() > deadline:
+            for pid in set(pids) - set(codes):
+                os.kill(pid, signal.SIGKILL)
+                codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        time.sleep(0.02)
+    return [codes[pid] for pid in pids]
+
+
+def _fill_share(data: list[dict], share: int, workers: int) -> None:
+    """In a worker: the images whose running number is `share` modulo `workers`."""
+    from memstudy.config import from_dict
+    from memstudy.datasets import build_datasets
+    from memstudy.quality import min_image_size
+
+    number = 0
+    for entry in data:
+        config = from_dict(entry["config"])
+        config.data.cache_dir = config.data.cache_dir or entry["cache"]  # the cells' own folder
+        for dataset in build_datasets(config.data, config.train.image_size,
+                                      config.train.batch_size,
+                                      min_image_size(config.train.msssim_scales)):
+            for index in range(len(dataset)):
+                if number % workers == share:
+                    dataset[index]  # made and cached on disk, or already there
+                number += 1
+
+
 def _run_child(request: dict, listener: socket.socket, conns: list[socket.socket]) -> None:
     """In the forked child: the cell's own process group, environment and log, then its
     command line as `python -m` would run it."""
@@ -151,8 +237,10 @@ def _run_child(request: dict, listener: socket.socket, conns: list[socket.socket
         sys.argv = [module, *args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # as the interpreter exits: None is 0, a message is printed, 1
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
     except BaseException:
         import traceback
 
@@ -202,11 +290,17 @@ def serve(address: str) -> None:
                 if not chunk and b"\n" not in request:
                     conn.close()
                     continue
+                request = json.loads(request.split(b"\n", 1)[0])
+                if "data" in request:  # the cells' images, made by workers; nothing forked
+                    workers_ok = _fill_caches(request["data"])
+                    conn.sendall(json.dumps({"workers_ok": workers_ok}).encode() + b"\n")
+                    conn.close()
+                    continue
                 _check_no_cuda()
                 sys.stdout.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _run_child(json.loads(request.split(b"\n", 1)[0]), listener,
+                    _run_child(request, listener,
                                [*pending, *children.values(), conn])
                 try:
                     os.setpgid(pid, pid)

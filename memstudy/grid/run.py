@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from memstudy.grid import claims
-from memstudy.grid.cells import CRASHED, KILLED, CellProcess
+from memstudy.grid.cells import CRASHED, KILLED, CellProcess, cache_images
 from memstudy.grid.claims import Holder, Runner
 from memstudy.grid.history import older_records
 from memstudy.grid.spec import Cell, GridSpec, expand
@@ -63,6 +63,8 @@ def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
             todo.append(cell)
     for index, why in older_records(todo, db).items():
         progress(f"[{index}/{len(cells)}] {why}")
+    if cached := cache_images([cell.config for cell in todo], db_path):
+        progress(cached)
     _Scheduler(result, todo, GpuSlots(pool), db, spec.timeout_s, progress, poll_s,
                runner, retry).run()
     return result
@@ -209,8 +211,9 @@ class _Scheduler:
             self.slots.give(ids)
             self.durations.append(time.time() - child.started)
             self.result.outcomes[cell.index] = outcome
+            took = child.times.describe() if child.times else f"{self.durations[-1]:.1f} s"
             self.progress(f"[{cell.index}/{self.total}] {cell.name} {cell.config.train.image_size}px: "
-                          f"{outcome} ({self.durations[-1]:.1f} s)")
+                          f"{outcome} ({took})")
 
     def _eta(self) -> str:
         if not self.durations:

@@ -12,10 +12,13 @@ under torch.profiler and records, as run-level series rows (step 0):
 - `profiled_step_ms`: that step's wall time under the profiler (the profiler's own cost
   included: compare busy time with the unprofiled `step_time_s`, not with this).
 Warm-up is never measured, so the profiler perturbs no recorded phase or step time.
+For diagnosis, the environment variable MEMSTUDY_PROFILE_TABLE names a file to which the
+profiled step's kernels, by GPU time (torch.profiler's key_averages table), are appended.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -52,6 +55,10 @@ def step_profile(series: list, rank: int, device: torch.device):
             gpu.append((event.time_range.start, event.time_range.end))
         elif event.name in LAUNCHES:
             launches += 1
+    table = os.environ.get("MEMSTUDY_PROFILE_TABLE")
+    if table:
+        with open(table, "a") as out:
+            out.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40) + "\n")
     series += [(rank, 0, "launches_per_step", float(launches)),
                (rank, 0, "kernels_per_step", float(len(gpu))),
                (rank, 0, "gpu_busy_ms_per_step", busy_ms(gpu)),

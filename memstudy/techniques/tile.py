@@ -33,9 +33,10 @@ Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`, `tile:16:keep=conv1`, `ti
 - `levels`: 2 = full + half resolution (stem, decoder blocks 3-4, head); 1 = full resolution
   only (decoder block 4 and head); 3 = also 1/4 resolution (layer1, decoder block 2);
 - `keep`: `none` (one decoder region), `conv1` (also keep each tiled skip block's first
-  convolution output: fewer sweeps, one more tensor per such block) or `all` (every tiled
-  decoder block's first convolution output, block 4's at full resolution too: fewest sweeps,
-  most memory).
+  convolution output: fewer sweeps, one more tensor per such block), `all` (every tiled
+  decoder block's first convolution output, block 4's at full resolution too) or `bn` (every
+  BatchNorm's input, the stem's convolution output included: one sweep per region each way,
+  the most kept tensors).
 Composes with amp, checkpoint:block / selective and invertible (they act on the untiled levels;
 the decoder blocks and stem that tile runs are not run through their wrapped forward), offload
 and saved-tensor compression (they see the region boundaries, which tile's Functions save), dp.
@@ -77,9 +78,9 @@ class Options:
         "help": "resolution levels tiled from full resolution down: 1 = full, 2 = full + half, "
                 "3 = full + half + quarter"})
     keep: str = field(default="conv1", metadata={
-        "help": "kept boundaries between decoder regions: none, conv1 (each tiled skip "
-                "block's first convolution output) or all (every tiled decoder block's): "
-                "fewer recompute sweeps, more memory"})
+        "help": "kept boundaries between regions: none, conv1 (each tiled skip block's first "
+                "convolution output), all (every tiled decoder block's) or bn (every "
+                "BatchNorm's input: one sweep per region): fewer recompute sweeps, more memory"})
     graphs: bool = field(default=False, metadata={
         "help": "replay each tile body as a CUDA graph, captured once per region, sweep and "
                 "strip shape (GPU only): the per-tile host cost paid once"})

@@ -1,16 +1,19 @@
 """The tiled part of the smp U-Net / ResNet-34 written once, for two readers (pure Python).
 
 A region's computation is written as a walk over named operations (`conv`, `norm` (with the
-ReLU that follows it fused when `relu=True`), `relu`, `up`, `pool`, `cat`, `add`) of an `ops` object. The tile bodies (memstudy/tiling/unet.py) walk
-it with tensors of one strip; the geometry (`Trace` below) walks the same code with row
-bookkeeping, so the halo of every region follows from exactly the operations its body runs.
+ReLU that follows it fused when `relu=True`), `relu`, `up`, `pool`, `cat`, `add`) of an `ops`
+object. The tile bodies (memstudy/tiling/unet.py) walk it with tensors of one strip; the
+geometry (`Trace` below) walks the same code with row bookkeeping, so the halo of every region
+follows from exactly the operations its body runs.
 
 Names: "conv1" / "bn1" are the stem's convolution and BatchNorm, "layer1.<j>.conv1|bn1|conv2|bn2"
 ResNet-34's first three BasicBlocks (1/4 res), "block<i>.conv1|bn1|conv2|bn2" decoder block i's
 two Conv2dReLU layers (smp numbering 0..4, block 4 at full resolution), "head" the
-segmentation head. Inputs a region may take: "x" (the image), "l1" (layer1's output),
-"d<i>" (decoder block i's input), "z<i>" (decoder block i's first convolution output before its
-BatchNorm: a boundary kept with `keep=conv1`).
+segmentation head. Tensors a region may start from, stop at or take: "x" (the image), "s"
+(the stem's convolution output before bn1), "l1" (layer1's output), "d<i>" (decoder block i's
+input), "z<i>" / "y<i>" (decoder block i's first / second convolution output before its
+BatchNorm). A region that stops at a tensor before a BatchNorm also produces that BatchNorm's
+statistics (memstudy/tiling/sweep.py), so the next region only normalises it.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ UP = Upsample(2)
 LAYER1_BLOCKS = 3  # ResNet-34's layer1
 LAST_BLOCK = 4  # the decoder's full-resolution block
 SKIPS = {2: "l1", 3: "f1"}  # decoder block -> its skip feature inside the tiled levels
+STEM_STARTS = ("x", "s")  # where a region of the encoder's stem starts
 
 
 @dataclass(frozen=True)
@@ -33,15 +37,31 @@ class RegionSpec:
     name: str
     inputs: tuple[str, ...]
     factors: tuple[int, ...]  # each input's resolution in multiples of the coarse grid
-    start: str  # "stem", "d<i>" or "z<i>"
-    stop: int | None  # decoder block whose conv1 output ends the region; None: the output
+    start: str  # "x" or "s" (the stem), "d<i>", "z<i>" or "y<i>"
+    stop: str | None  # the tensor before a BatchNorm that ends the region; None: the last one
+
+    @property
+    def output(self) -> str:
+        """The name of what the region computes: its stop, the stem's "low" feature (1/4 res at
+        levels=2) or the network's "out"."""
+        return self.stop or ("low" if self.start in STEM_STARTS else "out")
+
+    @property
+    def out_norm(self) -> str | None:
+        """The BatchNorm that normalises the region's output (whose statistics it produces)."""
+        if self.stop is None:
+            return None
+        return "bn1" if self.stop == "s" else f"block{self.stop[1:]}.bn{1 if self.stop[0] == 'z' else 2}"
 
 
 # -- the walks -------------------------------------------------------------------------------
-def stem_walk(ops, levels: int, x):
-    """x -> stem -> max-pool (-> layer1 at levels=3): the 1/4-res feature the encoder goes on
-    with."""
-    p = ops.pool(ops.norm("bn1", ops.conv("conv1", x), relu=True))
+def stem_walk(ops, levels: int, spec: RegionSpec, x):
+    """x -> stem conv (-> stop "s") -> bn1, ReLU, max-pool (-> layer1 at levels=3): the 1/4-res
+    feature the encoder goes on with. A region starting at "s" takes the convolution's output."""
+    s = x if spec.start == "s" else ops.conv("conv1", x)
+    if spec.stop == "s":
+        return s
+    p = ops.pool(ops.norm("bn1", s, relu=True))
     if levels < 3:
         return p
     for j in range(LAYER1_BLOCKS):  # torchvision BasicBlock without down-sampling
@@ -52,18 +72,24 @@ def stem_walk(ops, levels: int, x):
 
 
 def decoder_walk(ops, spec: RegionSpec, strips):
-    """From the region's start (a block's input, or its kept conv1 output) through decoder
-    blocks until `spec.stop`'s conv1 output, or the segmentation head's output."""
+    """From the region's start (a block's input, or a kept convolution output) through decoder
+    blocks until `spec.stop`, or the segmentation head's output."""
     named = dict(zip(spec.inputs, strips))
-    block = int(spec.start[1:])
-    z = named[spec.start] if spec.start[0] == "z" else _conv1(ops, block, named[spec.start], named)
-    while spec.stop != block:
-        d = _block_tail(ops, block, z)
+    kind, block = spec.start[0], int(spec.start[1:])
+    t = named[spec.start]
+    if kind == "d":
+        t, kind = _conv1(ops, block, t, named), "z"
+    while f"{kind}{block}" != spec.stop:
+        if kind == "z":
+            t = ops.conv(f"block{block}.conv2", ops.norm(f"block{block}.bn1", t, relu=True))
+            kind = "y"
+            continue
+        d = ops.norm(f"block{block}.bn2", t, relu=True)
         block += 1
         if block > LAST_BLOCK:
             return ops.conv("head", d)
-        z = _conv1(ops, block, d, named)
-    return z
+        t, kind = _conv1(ops, block, d, named), "z"
+    return t
 
 
 def _conv1(ops, block: int, d, named: dict):
@@ -71,47 +97,61 @@ def _conv1(ops, block: int, d, named: dict):
     d = ops.up(d)
     skip = SKIPS.get(block)
     if skip == "f1":  # the stem's feature, recomputed from the image with the stem's statistics
+        # (keeping the stem's output instead would hold it on the device through the untiled
+        # levels: 562 MB at 4188 px, which is what a 4 GiB budget does not have)
         d = ops.cat(d, ops.norm("bn1", ops.conv("conv1", named["x"]), relu=True))
     elif skip == "l1":
         d = ops.cat(d, named["l1"])
     return ops.conv(f"block{block}.conv1", d)
 
 
-def _block_tail(ops, block: int, z):
-    d = ops.norm(f"block{block}.bn1", z, relu=True)
-    return ops.norm(f"block{block}.bn2", ops.conv(f"block{block}.conv2", d), relu=True)
-
-
 # -- the regions of a tiling -------------------------------------------------------------------
 def region_specs(levels: int, keep: str) -> list[RegionSpec]:
-    """The stem region (levels >= 2) and the decoder regions in the order they run."""
+    """The stem's regions (levels >= 2) and the decoder regions, in the order they run."""
     coarse = 2 ** levels  # the coarse grid is 1/coarse of the input resolution
     specs = []
-    if levels >= 2:
-        specs.append(RegionSpec("stem", ("x",), (coarse,), "stem", None))
-    first = LAST_BLOCK + 1 - levels
-    cuts = [b for b in range(first, LAST_BLOCK + 1)
-            if keep == "all" or (keep == "conv1" and b in SKIPS)]
-    start = f"d{first}"
-    for stop in cuts + [None]:
+    if levels >= 2 and keep == "bn":
+        specs.append(RegionSpec("stem.conv1", ("x",), (coarse,), "x", "s"))
+        specs.append(RegionSpec("stem", ("s",), (coarse // 2,), "s", None))
+    elif levels >= 2:
+        specs.append(RegionSpec("stem", ("x",), (coarse,), "x", None))
+    start = f"d{LAST_BLOCK + 1 - levels}"
+    for stop in _cuts(levels, keep) + [None]:
         computed = _conv1_blocks(start, stop)
         inputs = [start] + [name for block, name in ((2, "l1"), (3, "x")) if block in computed]
         factors = [_factor(name, levels) for name in inputs]
-        name = "top" if stop is None else f"block{stop}.conv1"
+        name = "top" if stop is None else f"block{stop[1:]}.conv{1 if stop[0] == 'z' else 2}"
         specs.append(RegionSpec(name, tuple(inputs), tuple(factors), start, stop))
-        start = f"z{stop}"
+        start = stop
     return specs
 
 
-def _conv1_blocks(start: str, stop: int | None) -> set[int]:
-    block = int(start[1:])
-    first = block if start[0] == "d" else block + 1
-    return set(range(first, (LAST_BLOCK if stop is None else stop) + 1))
+def _cuts(levels: int, keep: str) -> list[str]:
+    """The kept decoder tensors: z<i> of no block (none), of the skip blocks (conv1), of every
+    tiled block (all); every BatchNorm input, y<i> too (bn)."""
+    cuts = []
+    for block in range(LAST_BLOCK + 1 - levels, LAST_BLOCK + 1):
+        if keep in ("all", "bn") or (keep == "conv1" and block in SKIPS):
+            cuts.append(f"z{block}")
+        if keep == "bn":
+            cuts.append(f"y{block}")
+    return cuts
+
+
+def _position(name: str | None) -> int:
+    """Order of the decoder's tensors: d<i> < z<i> < y<i> < d<i+1>; None (the output) last."""
+    return 10 ** 6 if name is None else 3 * int(name[1:]) + "dzy".index(name[0])
+
+
+def _conv1_blocks(start: str, stop: str | None) -> set[int]:
+    """Decoder blocks whose first convolution (producing z<i>) runs in the region."""
+    return {b for b in range(LAST_BLOCK + 1)
+            if _position(start) < _position(f"z{b}") <= _position(stop)}
 
 
 def _factor(name: str, levels: int) -> int:
     """An input's resolution in multiples of the coarse grid (1/2**levels)."""
-    log2_res = {"x": 0, "l1": -2}.get(name)  # log2 of the resolution relative to the input
+    log2_res = {"x": 0, "s": -1, "l1": -2}.get(name)  # log2 of the resolution to the input's
     if log2_res is None:
         block = int(name[1:])  # block i's input is at 1/2**(5-i), its output at 1/2**(4-i)
         log2_res = block - 5 if name[0] == "d" else block - 4
@@ -180,7 +220,7 @@ class Traced:
 def trace(spec: RegionSpec, levels: int) -> Traced:
     ops = TraceOps()
     inputs = [Trace(f, [(f, ())]) for f in spec.factors]
-    out = stem_walk(ops, levels, inputs[0]) if spec.start == "stem" \
+    out = stem_walk(ops, levels, spec, inputs[0]) if spec.start in STEM_STARTS \
         else decoder_walk(ops, spec, inputs)
     norms = [name for name in ops.modules if ".bn" in name or name == "bn1"]
     return Traced(ops.modules, norms, ops.norm_paths + out.paths())

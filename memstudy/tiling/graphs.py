@@ -255,13 +255,13 @@ class TileGraphs:
 
     def _backward_tile(self, sweep, tile: Tile, tensors, needs, target, seed,
                        accumulators) -> list[int] | None:
-        from memstudy.tiling.sweep import StatsSeed, TileRun, flatten_stats
+        from memstudy.tiling.sweep import TileRun, flatten_stats, seed_gradient
 
         region, n = sweep.region, sweep.n_inputs
         inputs, stats, params = sweep.unpack(tensors)
         strips = self._strips(sweep, tile, inputs)
         flat = self._flat_stats(sweep, flatten_stats(stats))
-        seeds = self._seed(sweep, tile, seed)
+        rows, affine = self._seed(sweep, tile, seed)
         local = self._local(tile)
 
         def body(accumulate: bool, facts: dict) -> None:
@@ -273,7 +273,7 @@ class TileGraphs:
                 leaves = leaves_in + leaves_flat + aliases
                 out = TileRun(region, local, sweep.unpack([*leaves_in, *leaves_flat])[1],
                               target)(leaves_in)
-                grad_out = StatsSeed.affine(out, *seeds) if len(seeds) == 3 else seeds[0]
+                grad_out = seed_gradient(out, rows, affine)
                 wanted = [i for i, t in enumerate(leaves) if t is not None and needs[i]]
                 got = torch.autograd.grad(out, [leaves[i] for i in wanted], grad_out,
                                           allow_unused=True)
@@ -287,7 +287,8 @@ class TileGraphs:
                 elif g is not None and accumulate:
                     accumulators[i].add_(g)
 
-        key = self._key("backward", sweep, tile, inputs, (target, tuple(needs), len(seeds)))
+        key = self._key("backward", sweep, tile, inputs,
+                        (target, tuple(needs), rows is None, affine is None))
         facts = self._replayed(key, body)
         if facts is None:
             return None
@@ -298,20 +299,21 @@ class TileGraphs:
                 sweep.input_grad(i, inputs[i])[..., f * q0:f * q1, :] += facts[("gin", i)]
         return [i for i in facts["received"] if i >= n]
 
-    def _seed(self, sweep, tile: Tile, seed) -> list[torch.Tensor]:
-        """What starts a tile's backward, staged: (mean, scale, shift) of a statistics sweep, or
-        the tile's rows of the output gradient."""
-        from memstudy.tiling.sweep import StatsSeed
-
+    def _seed(self, sweep, tile: Tile, seed) -> tuple:
+        """What starts a tile's backward (memstudy.tiling.sweep.Seed), staged: the tile's rows
+        of the output gradient and (mean, scale, shift) of the statistics' gradient, each None
+        where the seed has none."""
         name = sweep.region.name
-        if isinstance(seed, StatsSeed):
-            return [self._copied(("seed", name, which), t)
-                    for which, t in enumerate((seed.mean, seed.scale, seed.shift))]
-        total = sweep.tiles[-1].own[1]
-        factor = seed.grad_out.shape[-2] // total
-        owned = max(b - a for a, b in (t.own for t in sweep.tiles))
-        rows = seed.rows(tile, factor)
-        return [self._copied(("gout", name), rows, owned * factor * rows[..., :1, :].numel())]
+        rows = affine = None
+        if seed.affine is not None:
+            affine = [self._copied(("seed", name, which), t)
+                      for which, t in enumerate(seed.affine)]
+        if seed.grad_out is not None:
+            factor = seed.grad_out.shape[-2] // sweep.tiles[-1].own[1]
+            owned = max(b - a for a, b in (t.own for t in sweep.tiles))
+            part = seed.rows(tile, factor)
+            rows = self._copied(("gout", name), part, owned * factor * part[..., :1, :].numel())
+        return rows, affine
 
 
 @contextlib.contextmanager

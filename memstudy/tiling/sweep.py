@@ -19,6 +19,12 @@ With K BatchNorms computed in a region, a training step runs K + 1 forward sweep
 backward sweeps of that region, and nothing of full size other than the region's inputs, their
 gradients and the output is alive at any time.
 
+A region whose output is the input of a BatchNorm (`Region.out_norm`: it stops at a kept
+tensor before a BatchNorm) also returns that BatchNorm's statistics from `_Apply`: the moments
+of the owned output rows, merged in the same sweep that writes them. The next region takes them
+as given statistics instead of running a sweep that only re-reads its input, and `_Apply`'s
+backward adds their gradient (the `_Stats` formula on the recomputed output) to grad_out's rows.
+
 Numerics: tile statistics are merged with Chan's parallel formula in float32 (float64 for a
 float64 model); normalisation (fused with the ReLU after it: memstudy/tiling/norm.py) runs in
 that precision from the explicit statistics and casts back to the convolution's dtype, as
@@ -37,7 +43,7 @@ from torch import nn
 
 from memstudy.runtime import mark_boundary
 from memstudy.tiling.geometry import Path, Tile
-from memstudy.tiling.norm import Stats, memory_format_of, moments, normalize
+from memstudy.tiling.norm import Stats, memory_format_of, moments, normalize, statistics_seed
 
 @dataclass
 class Region:
@@ -48,6 +54,8 @@ class Region:
     modules: list[nn.Module]  # whose parameters the body uses
     paths: list[Path]  # receptive-field paths (geometry.halo)
     body: Callable[..., torch.Tensor]  # body(run, *strips) -> output strip
+    norm_names: list[str] = field(default_factory=list)  # the norms' names (chain.py), in order
+    out_norm: nn.modules.batchnorm._BatchNorm | None = None  # normalises the output, if any
 
     def params(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
@@ -112,6 +120,7 @@ class Sweep:
     autocast: tuple[str, bool, torch.dtype]
     recording: bool = False  # the forward ran with grad enabled: backward will follow
     graphs: Any = None  # memstudy.tiling.graphs.TileGraphs: tile bodies replayed as CUDA graphs
+    out_stats: bool = False  # _Apply also returns the statistics of its output (out_norm's)
     input_grads: list = field(init=False)  # per input: the shared buffer, or None
     pending: list = field(init=False)  # per input: Functions yet to add into it
 
@@ -196,18 +205,20 @@ class _Stats(torch.autograd.Function):
         sweep, count = ctx.sweep, ctx.count
         region = sweep.region
 
-        # d stats / d z_k is affine in z_k per channel: g_mean / N + 2 g_var (z - mean) / N
-        seed = StatsSeed(mean, 2 * g_var / count, g_mean / count)
+        seed = Seed(None, stats_seed(mean, g_mean, g_var, count))
         grads = backprop_tiles(sweep, list(saved) + region.params(), ctx.needs_input_grad[3:],
                                ctx.k, seed)
         return (None, None, None, *grads)
 
 
 class _Apply(torch.autograd.Function):
+    """The region's output over the whole image (and, with `sweep.out_stats`, the mean and
+    biased variance of it per channel, merged from the owned rows as they are written)."""
+
     @staticmethod
-    def forward(ctx, sweep: Sweep, *tensors):
+    def forward(ctx, sweep: Sweep, counts: dict, *tensors):
         inputs, stats, _ = sweep.unpack(tensors)
-        out = None
+        out, acc = None, None
         for tile in sweep.tiles:
             if sweep.graphs is not None:
                 part = sweep.graphs.output(sweep, tile, inputs, stats)
@@ -217,43 +228,58 @@ class _Apply(torch.autograd.Function):
                 out = _full_like(part, inputs, sweep)
             factor = part.shape[-2] // (tile.own[1] - tile.own[0])
             out[..., factor * tile.own[0]:factor * tile.own[1], :] = part
+            if sweep.out_stats:
+                acc = merge(acc, moments(part))
         ctx.sweep = sweep
-        sweep.expect(ctx.needs_input_grad[1:])
-        ctx.save_for_backward(*tensors[:sweep.n_tensors])
-        return out
+        sweep.expect(ctx.needs_input_grad[2:])
+        if not sweep.out_stats:
+            ctx.save_for_backward(*tensors[:sweep.n_tensors])
+            return out
+        count, mean, m2 = acc
+        counts["out"] = ctx.count = count
+        ctx.save_for_backward(*tensors[:sweep.n_tensors], mean)
+        return out, mean, m2 / count
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, g_mean=None, g_var=None):
         sweep = ctx.sweep
-        grads = backprop_tiles(sweep, list(ctx.saved_tensors) + sweep.region.params(),
-                               ctx.needs_input_grad[1:], None, ApplySeed(grad_out))
-        return (None, *grads)
+        saved = list(ctx.saved_tensors)
+        affine = None
+        if sweep.out_stats:
+            affine = stats_seed(saved.pop(), g_mean, g_var, ctx.count)
+        grads = backprop_tiles(sweep, saved + sweep.region.params(), ctx.needs_input_grad[2:],
+                               None, Seed(grad_out, affine))
+        return (None, None, *grads)
+
+
+def stats_seed(mean: torch.Tensor, g_mean: torch.Tensor, g_var: torch.Tensor,
+               count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean, scale, shift) of the gradient of a BatchNorm's (mean, biased var) with respect to
+    its input z: shift + scale * (z - mean) = g_mean / N + 2 g_var (z - mean) / N per channel
+    (the path through mean in var vanishes: sum(z - mean) = 0)."""
+    return mean, 2 * g_var / count, g_mean / count
 
 
 @dataclass
-class ApplySeed:
-    """_Apply's backward: each tile's owned output rows get their rows of grad_out."""
-    grad_out: torch.Tensor
+class Seed:
+    """What starts a tile's backward: the rows of the output gradient that the tile owns
+    (_Apply), the gradient of statistics of the output (_Stats; _Apply with out_stats), or
+    both added."""
+    grad_out: torch.Tensor | None
+    affine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # stats_seed's
 
-    def rows(self, tile: Tile, factor: int) -> torch.Tensor:
+    def rows(self, tile: Tile, factor: int) -> torch.Tensor | None:
         """The rows of grad_out that `tile` owns (grad_out at `factor` x the coarse grid)."""
+        if self.grad_out is None:
+            return None
         return self.grad_out[..., factor * tile.own[0]:factor * tile.own[1], :]
 
 
-@dataclass
-class StatsSeed:
-    """_Stats k's backward: the gradient of (mean, var) with respect to a tile's owned z_k,
-    shift + scale * (z - mean) per channel. Centred first: a + b * z with a = -b * mean would
-    cancel catastrophically in float32."""
-    mean: torch.Tensor
-    scale: torch.Tensor
-    shift: torch.Tensor
-
-    @staticmethod
-    def affine(z: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor,
-               shift: torch.Tensor) -> torch.Tensor:
-        centred = z.detach() - mean[:, None, None]
-        return torch.addcmul(shift[:, None, None], centred, scale[:, None, None]).to(z.dtype)
+def seed_gradient(z: torch.Tensor, rows: torch.Tensor | None,
+                  affine: Sequence[torch.Tensor] | None) -> torch.Tensor:
+    """The gradient a tile's owned output z starts backward with: `rows` of grad_out, plus
+    the statistics' gradient for statistics of z (norm.statistics_seed)."""
+    return rows if affine is None else statistics_seed(z, rows, *affine)
 
 
 def _full_like(part: torch.Tensor, inputs: list[torch.Tensor], sweep: Sweep) -> torch.Tensor:
@@ -265,7 +291,7 @@ def _full_like(part: torch.Tensor, inputs: list[torch.Tensor], sweep: Sweep) -> 
 
 
 def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: int | None,
-                   seed: ApplySeed | StatsSeed) -> list:
+                   seed: Seed) -> list:
     """Recompute every tile with grad and backpropagate its owned rows (see module docstring);
     returns one gradient (or None) per entry of `tensors` = inputs, flat stats, params."""
     if sweep.graphs is not None:
@@ -278,14 +304,13 @@ def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: i
     return grads
 
 
-def grad_seed(seed: ApplySeed | StatsSeed, tile: Tile, out: torch.Tensor) -> torch.Tensor:
-    if isinstance(seed, ApplySeed):
-        return seed.rows(tile, out.shape[-2] // (tile.own[1] - tile.own[0]))
-    return StatsSeed.affine(out, seed.mean, seed.scale, seed.shift)
+def grad_seed(seed: Seed, tile: Tile, out: torch.Tensor) -> torch.Tensor:
+    rows = seed.rows(tile, out.shape[-2] // (tile.own[1] - tile.own[0]))
+    return seed_gradient(out, rows, seed.affine)
 
 
 def backprop_eager(sweep: Sweep, tensors: list, needs: Sequence[bool], target: int | None,
-                   seed: ApplySeed | StatsSeed, tiles: Sequence[Tile] | None = None) -> list:
+                   seed: Seed, tiles: Sequence[Tile] | None = None) -> list:
     """backprop_tiles over `tiles` (default: all of the sweep's), tile by tile as written."""
     region = sweep.region
     inputs, stats, params = sweep.unpack(tensors)
@@ -326,13 +351,15 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
 
 def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
                shared: Sequence[Stats] = (), graphs: Any = None
-               ) -> tuple[torch.Tensor, list[Stats]]:
-    """The region's output over the whole image, and the statistics every norm used."""
+               ) -> tuple[torch.Tensor, list[Stats], Stats | None]:
+    """The region's output over the whole image, the statistics every norm used, and those of
+    the output for `region.out_norm` (None without one)."""
     # the inputs are what the region's Functions save: kept boundaries, which transforms
     # restricted to boundaries (offload / compress which=boundaries) must see
     mark_boundary(*inputs)
+    out_norm = region.out_norm
     sweep = Sweep(region, tiles, autocast_state(inputs[0].device.type), torch.is_grad_enabled(),
-                  graphs)
+                  graphs, out_stats=out_norm is not None and out_norm.training)
     params = region.params()
     stats: list[Stats | None] = list(shared) + [None] * (len(region.norms) - region.shared)
     counts: dict[int, int] = {}
@@ -343,7 +370,14 @@ def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
             continue
         stats[k] = _Stats.apply(sweep, k, counts, *inputs, *flatten_stats(stats), *params)
         update_running_stats(bn, *stats[k], counts[k])
-    return _Apply.apply(sweep, *inputs, *flatten_stats(stats), *params), stats
+    applied = _Apply.apply(sweep, counts, *inputs, *flatten_stats(stats), *params)
+    if out_norm is None:
+        return applied, stats, None
+    if not sweep.out_stats:  # eval mode: the running statistics normalise the output
+        return applied, stats, (out_norm.running_mean, out_norm.running_var)
+    out, mean, var = applied
+    update_running_stats(out_norm, mean, var, counts["out"])
+    return out, stats, (mean, var)
 
 
 @torch.no_grad()

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from memstudy.errors import ConfigError
-from memstudy.tiling.chain import (LAST_BLOCK, LAYER1_BLOCKS, RegionSpec, decoder_walk,
-                                   region_specs, stem_walk, trace)
+from memstudy.tiling.chain import (LAST_BLOCK, LAYER1_BLOCKS, STEM_STARTS, RegionSpec,
+                                   decoder_walk, region_specs, stem_walk, trace)
 from memstudy.tiling.geometry import halo, plan_tiles, split_rows
 from memstudy.tiling.graphs import TileGraphs
 from memstudy.tiling.levels import check_keep, check_levels
@@ -132,20 +132,24 @@ class TensorOps:
         return a + b
 
 
-def build_region(unet: nn.Module, spec: RegionSpec, levels: int) -> Region:
+def build_region(unet: nn.Module, spec: RegionSpec, levels: int, produced: set[str]) -> Region:
+    """The region of `spec`; `produced`: norms whose statistics earlier regions compute (its
+    own and its output's are added)."""
     traced = trace(spec, levels)
-    shared = [n for n in traced.norms if n == "bn1" and spec.start != "stem"]  # the stem's stats
+    shared = [n for n in traced.norms if n in produced]
     names = shared + [n for n in traced.norms if n not in shared]
+    produced.update(names + [spec.out_norm] if spec.out_norm else names)
     modules = named_modules(unet, levels)
     index = {name: j for j, name in enumerate(names)}
 
     def body(run: TileRun, *strips: torch.Tensor) -> torch.Tensor:
         ops = TensorOps(run, modules, index)
-        return stem_walk(ops, levels, strips[0]) if spec.start == "stem" \
+        return stem_walk(ops, levels, spec, strips[0]) if spec.start in STEM_STARTS \
             else decoder_walk(ops, spec, strips)
 
     return Region(spec.name, spec.factors, [modules[n] for n in names], len(shared),
-                  [modules[n] for n in traced.modules], traced.paths, body)
+                  [modules[n] for n in traced.modules], traced.paths, body, names,
+                  modules[spec.out_norm] if spec.out_norm else None)
 
 
 # -- the forward ------------------------------------------------------------------------------
@@ -162,7 +166,9 @@ class TiledForward:
         self.unet, self.levels, self.tiles, self.rows, self.keep = unet, levels, tiles, rows, keep
         self.graphs = graphs
         self.specs = region_specs(levels, keep)
-        self.regions = {spec.name: build_region(unet, spec, levels) for spec in self.specs}
+        produced: set[str] = set()
+        self.regions = {spec.name: build_region(unet, spec, levels, produced)
+                        for spec in self.specs}
         self.halos = {name: halo(region.paths) for name, region in self.regions.items()}
 
     def plan(self, height: int) -> dict[str, list]:
@@ -176,14 +182,40 @@ class TiledForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tiles = self.plan(x.shape[-2])
+        values: dict[str, torch.Tensor] = {"x": x}  # the region boundaries alive now
+        stats: dict = {}  # norm name -> the statistics it normalises with
+        stem = [spec for spec in self.specs if spec.start in STEM_STARTS]
+        for spec in stem:
+            self._run(spec, tiles[spec.name], values, stats)
+        values.update(self._untiled(values, stats))
+        for spec in self.specs[len(stem):]:
+            self._run(spec, tiles[spec.name], values, stats)
+        return values["out"]
+
+    def _run(self, spec: RegionSpec, tiles: list, values: dict, stats: dict) -> None:
+        """Run one region; its output joins `values`, inputs no later region reads leave it
+        (so that a boundary an offload moved to the host leaves the device)."""
+        region = self.regions[spec.name]
+        shared = [stats[name] for name in region.norm_names[:region.shared]]
+        out, own, out_stats = run_region(region, tiles, [values[n] for n in spec.inputs],
+                                         shared, self.graphs)
+        stats.update(zip(region.norm_names, own))
+        if out_stats is not None:
+            stats[spec.out_norm] = out_stats
+        values[spec.output] = out
+        later = {n for s in self.specs[self.specs.index(spec) + 1:] for n in s.inputs}
+        for name in set(spec.inputs) - later - {"x"}:
+            del values[name]
+
+    def _untiled(self, values: dict, stats: dict) -> dict[str, torch.Tensor]:
+        """The levels below the tiled ones, through the modules' own forward: the first tiled
+        decoder block's input (and layer1's output, its skip at levels=3)."""
         enc, dec = self.unet.encoder, self.unet.decoder
-        shared, f1 = (), None
+        f1 = None  # the stem's feature, decoder block 3's skip
         if self.levels >= 2:
-            low, stem_stats = run_region(self.regions["stem"], tiles["stem"], [x],
-                                         graphs=self.graphs)
-            shared = stem_stats[:1]  # bn1's, which the decoder's stem skip uses
+            low = values.pop("low")
         else:
-            f1 = enc.relu(enc.bn1(enc.conv1(x)))
+            f1 = enc.relu(enc.bn1(enc.conv1(values["x"])))
             low = enc.maxpool(f1)
         l1 = low if self.levels >= 3 else enc.layer1(low)
         l2 = enc.layer2(l1)
@@ -193,10 +225,4 @@ class TiledForward:
         first = LAST_BLOCK + 1 - self.levels
         for i in range(first):  # the untiled decoder blocks, through their forward
             d = dec.blocks[i](d, *skips[i].shape[-2:], skip_connection=skips[i])
-        values = {"x": x, "l1": l1, f"d{first}": d}
-        for spec in self.specs[1 if self.levels >= 2 else 0:]:
-            region = self.regions[spec.name]
-            out, _ = run_region(region, tiles[spec.name], [values[n] for n in spec.inputs],
-                                shared[:region.shared], self.graphs)
-            values[f"z{spec.stop}"] = out
-        return out
+        return {"l1": l1, f"d{first}": d} if self.levels >= 3 else {f"d{first}": d}
