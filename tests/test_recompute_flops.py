@@ -57,3 +57,33 @@ def test_checkpoint_recomputes_one_forward_of_its_regions(plain, placement, kept
 def test_selective_checkpoint_recomputes_no_convolution(plain):
     total, _ = plain
     assert _step_flops(_model(["checkpoint:selective"])) == total
+
+
+# tile's recomputation, in forward-equivalents of each tiled convolution beyond the plain step
+# (one strip, so no halo rows: the counts are whole multiples). A region with K BatchNorms of
+# its own runs K + 1 sweeps each way, each sweep recomputing the convolutions on the way to
+# its BatchNorm or output, and each backward sweep adds its convolutions' gradients; the stem's
+# convolution (the image needs no gradient: weight gradient only) also runs for block 3's skip.
+# keep=all: the stem (K=1) runs conv1 in 2 sweeps each way, block 3's region once more; blocks
+# 3 and 4's second convolutions sit in regions with K=1 (2 sweeps each way); keep=bn: every
+# region has K=0 (one sweep each way: one recomputation, gradients as plain).
+TILED = {"conv1": "ContrastUNet.net.encoder.conv1",
+         "block3.conv1": "ContrastUNet.net.decoder.blocks.3.conv1",
+         "block3.conv2": "ContrastUNet.net.decoder.blocks.3.conv2",
+         "block4.conv1": "ContrastUNet.net.decoder.blocks.4.conv1",
+         "block4.conv2": "ContrastUNet.net.decoder.blocks.4.conv2",
+         "head": HEAD}
+EXTRA_FORWARDS = {
+    "all": {"conv1": 7, "block3.conv1": 1, "block3.conv2": 5, "block4.conv1": 1,
+            "block4.conv2": 5, "head": 1},
+    "bn": {"conv1": 4, "block3.conv1": 1, "block3.conv2": 1, "block4.conv1": 1,
+           "block4.conv2": 1, "head": 1},
+}
+
+
+@pytest.mark.parametrize("keep", sorted(EXTRA_FORWARDS))
+def test_tile_recomputes_each_convolution_as_its_sweeps_say(plain, keep):
+    total, forward = plain
+    extra = sum(count * forward[TILED[name]] for name, count in EXTRA_FORWARDS[keep].items())
+    assert all(forward[module] > 0 for module in TILED.values())
+    assert _step_flops(_model([f"tile:1:keep={keep}"])) == total + extra

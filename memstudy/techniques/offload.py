@@ -215,11 +215,16 @@ class CopyTimes:
     Timed with CUDA events only (no host sync inside a step): a prefetched copy is bracketed on
     the side stream, and when the compute stream needs it an event there marks the moment; the
     copy is exposed by max(0, copy end - need). A copy made on demand runs on the compute stream
-    itself, so all of it is exposed. The events are read in `totals`, when the device is idle."""
+    itself, so all of it is exposed. Finished pairs are folded into running sums as new copies
+    are recorded (`Event.query` does not wait), so a long run keeps a bounded number of events;
+    the rest are read in `totals`, when the device is idle."""
+
+    FOLD_AT = 256  # pending event pairs that trigger folding the finished ones
 
     def __init__(self):
         self._prefetched: dict[int, list] = {}  # id(end event) -> [start, end, need or None]
         self._on_demand: list[tuple[Any, Any]] = []
+        self._copy_ms = self._exposed_ms = 0.0  # of the pairs already folded
 
     @staticmethod
     def start(stream) -> Any:
@@ -229,6 +234,7 @@ class CopyTimes:
 
     def prefetched(self, started, copied) -> None:
         self._prefetched[id(copied)] = [started, copied, None]
+        self._fold_if_many()
 
     def needed(self, copied, stream) -> None:
         entry = self._prefetched.get(id(copied))
@@ -240,20 +246,36 @@ class CopyTimes:
         started = self.start(stream)
         yield
         self._on_demand.append((started, self.start(stream)))
+        self._fold_if_many()
 
-    def totals(self) -> dict[str, float]:
-        copy_ms = exposed_ms = 0.0
-        for started, copied, need in self._prefetched.values():
+    def _fold_if_many(self) -> None:
+        if len(self._prefetched) + len(self._on_demand) >= self.FOLD_AT:
+            self._fold(final=False)
+
+    def _fold(self, final: bool) -> None:
+        """Add the finished pairs to the sums and drop them. A prefetched copy not needed yet
+        stays (its need may come) unless `final`: then it counts as copied, not exposed."""
+        for key, (started, copied, need) in list(self._prefetched.items()):
             if not copied.query() or (need is not None and not need.query()):
                 continue
-            copy_ms += started.elapsed_time(copied)
+            if need is None and not final:
+                continue
+            self._copy_ms += started.elapsed_time(copied)
             if need is not None:
-                exposed_ms += max(0.0, need.elapsed_time(copied))
+                self._exposed_ms += max(0.0, need.elapsed_time(copied))
+            del self._prefetched[key]
+        pending = []
         for started, ended in self._on_demand:
-            if ended.query():
-                duration = started.elapsed_time(ended)
-                copy_ms, exposed_ms = copy_ms + duration, exposed_ms + duration
-        return {"h2d_copy_ms": copy_ms, "h2d_exposed_ms": exposed_ms}
+            if not ended.query():
+                pending.append((started, ended))
+                continue
+            duration = started.elapsed_time(ended)
+            self._copy_ms, self._exposed_ms = self._copy_ms + duration, self._exposed_ms + duration
+        self._on_demand = pending
+
+    def totals(self) -> dict[str, float]:
+        self._fold(final=True)
+        return {"h2d_copy_ms": self._copy_ms, "h2d_exposed_ms": self._exposed_ms}
 
 
 class PrefetchWindow:
