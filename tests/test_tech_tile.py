@@ -121,8 +121,8 @@ def test_peak_of_tiled_levels_falls_with_the_tile_count():
         tiled = TiledForward(build_unet(seed=0), 2, tiles=tiles, keep="none")
         plan = tiled.plan(256)
         with LiveTensorMeter() as meter:
-            pooled, stats = run_region(tiled.regions["stem"], plan["stem"], [x])
-            out, _ = run_region(tiled.regions["top"], plan["top"], [d2, x], stats[:1])
+            pooled, stats, _ = run_region(tiled.regions["stem"], plan["stem"], [x])
+            out, _, _ = run_region(tiled.regions["top"], plan["top"], [d2, x], stats[:1])
             (out.sum() + pooled.sum()).backward()
         peaks[tiles] = meter.peak
     assert peaks[1] > peaks[2] > peaks[4] > peaks[8], peaks
