@@ -110,9 +110,7 @@ def ratio_chart(rows: Rows) -> go.Figure | None:
     if not rows:
         return None
     x = [f"{r['name']} {size_label(r['image_size'])} px ({r['device']})" for r in rows]
-    fig = go.Figure([go.Bar(x=x, y=[r[p] for r in rows], name=p,
-                            hovertemplate=f"{p}: %{{y:.3f}} x original<extra></extra>")
-                     for p in TRAIN_PHASES])
+    fig = _grouped_bars(rows, x, [(p, p) for p in TRAIN_PHASES], "%{y:.3f} x original")
     fig.add_hline(y=1.0, line_dash="dot")
     return _layout(fig, "Peak memory relative to original, per phase", "", "x original",
                    barmode="group")
@@ -123,11 +121,18 @@ def largest_size_chart(rows: Rows) -> go.Figure | None:
     if not rows:
         return None
     x = [f"{r['name']} @ {r['budget']} ({r['device']})" for r in rows]
-    fig = go.Figure([go.Bar(x=x, y=[r[k] for r in rows], name=label,
-                            hovertemplate=f"{label}: %{{y}} px<extra></extra>")
-                     for k, label in (("predicted_px", "predicted"), ("found_px", "found"))])
+    fig = _grouped_bars(rows, x, [("predicted_px", "predicted"), ("found_px", "found")],
+                        "%{y} px")
     return _layout(fig, "Largest trainable square size under the budget", "", "px",
                    barmode="group")
+
+
+def _grouped_bars(rows: Rows, x: list[str], series: list[tuple[str, str]],
+                  value: str) -> go.Figure:
+    """One bar series per (row key, label), hover '<label>: <value>'."""
+    return go.Figure([go.Bar(x=x, y=[r[key] for r in rows], name=label,
+                             hovertemplate=f"{label}: {value}<extra></extra>")
+                      for key, label in series])
 
 
 def _side(size: Any) -> float:

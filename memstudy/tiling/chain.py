@@ -51,7 +51,7 @@ class RegionSpec:
         """The BatchNorm that normalises the region's output (whose statistics it produces)."""
         if self.stop is None:
             return None
-        return "bn1" if self.stop == "s" else f"block{self.stop[1:]}.bn{1 if self.stop[0] == 'z' else 2}"
+        return "bn1" if self.stop == "s" else _layer_of(self.stop, "bn")
 
 
 # -- the walks -------------------------------------------------------------------------------
@@ -120,7 +120,7 @@ def region_specs(levels: int, keep: str) -> list[RegionSpec]:
         computed = _conv1_blocks(start, stop)
         inputs = [start] + [name for block, name in ((2, "l1"), (3, "x")) if block in computed]
         factors = [_factor(name, levels) for name in inputs]
-        name = "top" if stop is None else f"block{stop[1:]}.conv{1 if stop[0] == 'z' else 2}"
+        name = "top" if stop is None else _layer_of(stop, "conv")
         specs.append(RegionSpec(name, tuple(inputs), tuple(factors), start, stop))
         start = stop
     return specs
@@ -136,6 +136,12 @@ def _cuts(levels: int, keep: str) -> list[str]:
         if keep == "bn":
             cuts.append(f"y{block}")
     return cuts
+
+
+def _layer_of(kept: str, kind: str) -> str:
+    """The convolution ("conv") that writes a kept z<i> / y<i>, or the BatchNorm ("bn") that
+    reads it: block<i>.conv1 / bn1 for z<i>, block<i>.conv2 / bn2 for y<i>."""
+    return f"block{kept[1:]}.{kind}{1 if kept[0] == 'z' else 2}"
 
 
 def _position(name: str | None) -> int:

@@ -205,7 +205,7 @@ class _Stats(torch.autograd.Function):
         sweep, count = ctx.sweep, ctx.count
         region = sweep.region
 
-        seed = Seed(None, stats_seed(mean, g_mean, g_var, count))
+        seed = Seed(None, statistics_affine(mean, g_mean, g_var, count))
         grads = backprop_tiles(sweep, list(saved) + region.params(), ctx.needs_input_grad[3:],
                                ctx.k, seed)
         return (None, None, None, *grads)
@@ -246,13 +246,13 @@ class _Apply(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         affine = None
         if sweep.out_stats:
-            affine = stats_seed(saved.pop(), g_mean, g_var, ctx.count)
+            affine = statistics_affine(saved.pop(), g_mean, g_var, ctx.count)
         grads = backprop_tiles(sweep, saved + sweep.region.params(), ctx.needs_input_grad[2:],
                                None, Seed(grad_out, affine))
         return (None, None, *grads)
 
 
-def stats_seed(mean: torch.Tensor, g_mean: torch.Tensor, g_var: torch.Tensor,
+def statistics_affine(mean: torch.Tensor, g_mean: torch.Tensor, g_var: torch.Tensor,
                count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean, scale, shift) of the gradient of a BatchNorm's (mean, biased var) with respect to
     its input z: shift + scale * (z - mean) = g_mean / N + 2 g_var (z - mean) / N per channel
@@ -266,7 +266,7 @@ class Seed:
     (_Apply), the gradient of statistics of the output (_Stats; _Apply with out_stats), or
     both added."""
     grad_out: torch.Tensor | None
-    affine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # stats_seed's
+    affine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # statistics_affine's
 
     def rows(self, tile: Tile, factor: int) -> torch.Tensor | None:
         """The rows of grad_out that `tile` owns (grad_out at `factor` x the coarse grid)."""

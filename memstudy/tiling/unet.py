@@ -170,6 +170,10 @@ class TiledForward:
         self.regions = {spec.name: build_region(unet, spec, levels, produced)
                         for spec in self.specs}
         self.halos = {name: halo(region.paths) for name, region in self.regions.items()}
+        # per region: the boundaries no later region reads (the image is the caller's)
+        self.last_read = {spec.name: set(spec.inputs) - {"x"} - {
+            n for later in self.specs[i + 1:] for n in later.inputs}
+            for i, spec in enumerate(self.specs)}
 
     def plan(self, height: int) -> dict[str, list]:
         unit = 2 ** self.levels
@@ -187,7 +191,7 @@ class TiledForward:
         stem = [spec for spec in self.specs if spec.start in STEM_STARTS]
         for spec in stem:
             self._run(spec, tiles[spec.name], values, stats)
-        values.update(self._untiled(values, stats))
+        values.update(self._untiled(values))
         for spec in self.specs[len(stem):]:
             self._run(spec, tiles[spec.name], values, stats)
         return values["out"]
@@ -203,11 +207,10 @@ class TiledForward:
         if out_stats is not None:
             stats[spec.out_norm] = out_stats
         values[spec.output] = out
-        later = {n for s in self.specs[self.specs.index(spec) + 1:] for n in s.inputs}
-        for name in set(spec.inputs) - later - {"x"}:
+        for name in self.last_read[spec.name]:
             del values[name]
 
-    def _untiled(self, values: dict, stats: dict) -> dict[str, torch.Tensor]:
+    def _untiled(self, values: dict) -> dict[str, torch.Tensor]:
         """The levels below the tiled ones, through the modules' own forward: the first tiled
         decoder block's input (and layer1's output, its skip at levels=3)."""
         enc, dec = self.unet.encoder, self.unet.decoder
