@@ -87,3 +87,37 @@ def test_tile_recomputes_each_convolution_as_its_sweeps_say(plain, keep):
     extra = sum(count * forward[TILED[name]] for name, count in EXTRA_FORWARDS[keep].items())
     assert all(forward[module] > 0 for module in TILED.values())
     assert _step_flops(_model([f"tile:1:keep={keep}"])) == total + extra
+
+
+# levels=3 with layer1 cut into regions: evaluations of each encoder convolution inside the
+# stem's regions (a forward sweep runs it once; a backward sweep recomputes it once and
+# backpropagates: 2 more, or 1 for the stem convolution, whose input the image needs no
+# gradient). whole: one region with 7 BatchNorms (8 sweeps each way); layer1 convolution c
+# (1..6 in order) lies on the way to the BatchNorms from its own on, so it runs in 8 - c
+# sweeps. blocks: per BasicBlock, K=2 (3 sweeps: conv1 in all, conv2 in 2); convs: the block's
+# first convolution in a region of its own (1 sweep, its BatchNorm's statistics from it),
+# conv2 in a region with K=1 (2 sweeps). Regions outside layer1 are the same in all three.
+LAYER1_CONVS = [f"ContrastUNet.net.encoder.layer1.{j}.conv{k}" for j in range(3) for k in (1, 2)]
+
+
+def _encoder_evaluations(layer1: str) -> dict[str, int]:
+    if layer1 == "whole":
+        sweeps = {name: 8 - c for c, name in enumerate(LAYER1_CONVS, start=1)}
+        stem_sweeps = 8
+    else:
+        first = 1 if layer1 == "convs" else 3
+        sweeps = {name: first if name.endswith("conv1") else 2 for name in LAYER1_CONVS}
+        stem_sweeps = 2
+    found = {name: 4 * n for name, n in sweeps.items()}
+    found[TILED["conv1"]] = 3 * stem_sweeps
+    return found
+
+
+@pytest.mark.parametrize("layer1", ["blocks", "convs"])
+def test_layer1_regions_cut_the_recomputation_as_their_sweeps_say(plain, layer1):
+    _, forward = plain
+    whole, cut = _encoder_evaluations("whole"), _encoder_evaluations(layer1)
+    saved = sum((whole[name] - cut[name]) * forward[name] for name in whole)
+    assert all(forward[name] > 0 for name in whole) and saved > 0
+    base = _step_flops(_model(["tile:1:levels=3"]))
+    assert _step_flops(_model([f"tile:1:levels=3:layer1={layer1}"])) == base - saved

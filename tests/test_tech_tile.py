@@ -26,6 +26,8 @@ from memstudy.tiling.sweep import run_region
     (["tile:levels=4"], "tile:levels=4 is not implemented"),
     (["tile:keep=most"], "tile:keep='most' is not a kept-boundary choice"),
     (["tile:levels=3:rows=24"], "tile:rows=24 is smaller than its halo of 32 rows"),
+    (["tile:layer1=blocks"], "tile:layer1=blocks cuts layer1, which only levels=3 tiles"),
+    (["tile:levels=3:layer1=rows"], "layer1='rows' is not one of"),
     (["tile:levels=3", "invertible"], "tile:levels=3 tiles layer1"),
     (["tile:levels=0"], "tile:levels=0"),
     (["tile:levels=7"], "tile:levels=7"),

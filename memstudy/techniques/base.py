@@ -160,7 +160,11 @@ class Technique:
         return self.options(**values)
 
     def canonical(self, options: Any) -> str:
-        parts = [f"{f.name}={getattr(options, f.name)}" for f in dataclasses.fields(options)]
+        """Every option spelled out, except an option added after runs were recorded
+        (metadata "hash_neutral") at its default: those runs did what the default does, and
+        their configs keep their hashes (grids and maxres probes resume)."""
+        parts = [f"{f.name}={getattr(options, f.name)}" for f in dataclasses.fields(options)
+                 if not (f.metadata.get("hash_neutral") and getattr(options, f.name) == f.default)]
         return ":".join([self.name, *parts])
 
 

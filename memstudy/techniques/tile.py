@@ -36,7 +36,10 @@ Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`, `tile:16:keep=conv1`, `ti
   convolution output: fewer sweeps, one more tensor per such block), `all` (every tiled
   decoder block's first convolution output, block 4's at full resolution too) or `bn` (every
   BatchNorm's input, the stem's convolution output included: one sweep per region each way,
-  the most kept tensors).
+  the most kept tensors);
+- `layer1` (levels=3): `whole` (layer1 inside the stem's region, whose 7 BatchNorms cost 8
+  sweeps each way over it), `blocks` (one region per BasicBlock, its input kept at 1/4 res:
+  3 sweeps each) or `convs` (also each block's first convolution output: 1 + 2 sweeps).
 Composes with amp, checkpoint:block / selective and invertible (they act on the untiled levels;
 the decoder blocks and stem that tile runs are not run through their wrapped forward), offload
 and saved-tensor compression (they see the region boundaries, which tile's Functions save), dp.
@@ -54,7 +57,8 @@ from memstudy.models.unet import STRIDE
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 from memstudy.tiling.graphs import CudaGraphs, TileGraphs
-from memstudy.tiling.levels import check_keep, check_levels, min_tile_rows
+from memstudy.tiling.chain import LAYER1
+from memstudy.tiling.levels import check_keep, check_layer1, check_levels, min_tile_rows
 from memstudy.tiling.unet import TiledForward
 
 DEFAULT_TILES = 4
@@ -90,6 +94,11 @@ class Options:
     graph_fallback: bool = field(default=False, metadata={
         "help": "graphs: past graph_limit run further shapes eagerly (the run records how many "
                 "tiles did: series tile_eager_tiles) instead of stopping"})
+    layer1: str = field(default="whole", metadata={
+        "choices": LAYER1, "hash_neutral": True,
+        "help": "levels=3: whole (layer1 inside the stem's region: 8 sweeps each way over it), "
+                "blocks (a region per BasicBlock, its input kept: 3 sweeps each) or convs "
+                "(also its first convolution's output kept: 1 + 2 sweeps each)"})
 
 
 def resolved(opts: Options) -> Options:
@@ -99,11 +108,12 @@ def resolved(opts: Options) -> Options:
 def check(opts: Options, plan: Plan) -> None:
     check_levels(opts.levels, "tile:levels")
     check_keep(opts.keep, "tile:keep")
+    check_layer1(opts.layer1, opts.levels, "tile:layer1")
     if opts.tiles < 0 or opts.rows < 0:
         raise ConfigError(f"tile: tiles={opts.tiles} and rows={opts.rows} must be >= 0")
     if opts.tiles and opts.rows:
         raise ConfigError(f"tile: give tiles ({opts.tiles}) or rows ({opts.rows}), not both")
-    unit, halo = 2 ** opts.levels, min_tile_rows(opts.levels, opts.keep)
+    unit, halo = 2 ** opts.levels, min_tile_rows(opts.levels, opts.keep, opts.layer1)
     if opts.rows % unit:
         raise ConfigError(f"tile:rows={opts.rows} must be a multiple of {unit} (the "
                           f"{unit}x-down-sampled grid at levels={opts.levels})")
@@ -165,14 +175,14 @@ def apply(opts: Options, build: Build) -> None:
     if not hasattr(model, "forward_padded"):
         raise ConfigError("tile: the model has no forward_padded to tile; drop tile")
     notes = build.notes["tile"] = {"levels": opts.levels, "tiles": opts.tiles, "rows": opts.rows,
-                                   "keep": opts.keep,
-                                   "halo_rows": min_tile_rows(opts.levels, opts.keep)}
+                                   "keep": opts.keep, "layer1": opts.layer1,
+                                   "halo_rows": min_tile_rows(opts.levels, opts.keep, opts.layer1)}
     graphs = None
     if opts.graphs:
         graphs = TileGraphs(CudaGraphs(), opts.graph_limit, opts.graph_fallback, notes)
         build.runtime.series_sources.append(lambda: _graph_rows(graphs, build.runtime.rank))
     model.forward_padded = TiledForward(model, opts.levels, opts.tiles, opts.rows, opts.keep,
-                                        graphs)
+                                        graphs, opts.layer1)
 
 
 def _graph_rows(graphs: TileGraphs, rank: int) -> list[tuple[int, int, str, float]]:

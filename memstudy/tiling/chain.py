@@ -10,9 +10,10 @@ Names: "conv1" / "bn1" are the stem's convolution and BatchNorm, "layer1.<j>.con
 ResNet-34's first three BasicBlocks (1/4 res), "block<i>.conv1|bn1|conv2|bn2" decoder block i's
 two Conv2dReLU layers (smp numbering 0..4, block 4 at full resolution), "head" the
 segmentation head. Tensors a region may start from, stop at or take: "x" (the image), "s"
-(the stem's convolution output before bn1), "l1" (layer1's output), "d<i>" (decoder block i's
-input), "z<i>" / "y<i>" (decoder block i's first / second convolution output before its
-BatchNorm). A region that stops at a tensor before a BatchNorm also produces that BatchNorm's
+(the stem's convolution output before bn1), "p<j>" (layer1 block j's input: p0 the max-pool's
+output), "a<j>" (layer1 block j's first convolution output before its BatchNorm), "l1"
+(layer1's output), "d<i>" (decoder block i's input), "z<i>" / "y<i>" (decoder block i's first /
+second convolution output before its BatchNorm). A region that stops at a tensor before a BatchNorm also produces that BatchNorm's
 statistics (memstudy/tiling/sweep.py), so the next region only normalises it.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ LAYER1_BLOCKS = 3  # ResNet-34's layer1
 LAST_BLOCK = 4  # the decoder's full-resolution block
 SKIPS = {2: "l1", 3: "f1"}  # decoder block -> its skip feature inside the tiled levels
 STEM_STARTS = ("x", "s")  # where a region of the encoder's stem starts
+LAYER1 = ("whole", "blocks", "convs")  # how levels=3 cuts layer1 into regions (region_specs)
 
 
 @dataclass(frozen=True)
@@ -41,34 +43,54 @@ class RegionSpec:
     stop: str | None  # the tensor before a BatchNorm that ends the region; None: the last one
 
     @property
+    def encoder(self) -> bool:
+        """The region runs the stem (and layer1 at levels=3), not decoder blocks."""
+        return self.start in STEM_STARTS or self.start[0] in "pa"
+
+    @property
     def output(self) -> str:
-        """The name of what the region computes: its stop, the stem's "low" feature (1/4 res at
-        levels=2) or the network's "out"."""
-        return self.stop or ("low" if self.start in STEM_STARTS else "out")
+        """The name of what the region computes: its stop, the encoder's "low" feature (the
+        1/4-res input of the untiled levels) or the network's "out"."""
+        return self.stop or ("low" if self.encoder else "out")
 
     @property
     def out_norm(self) -> str | None:
-        """The BatchNorm that normalises the region's output (whose statistics it produces)."""
-        if self.stop is None:
+        """The BatchNorm that normalises the region's output (whose statistics it produces);
+        a layer1 block's input p<j> goes through a convolution first."""
+        if self.stop is None or self.stop[0] == "p":
             return None
-        return "bn1" if self.stop == "s" else _layer_of(self.stop, "bn")
+        if self.stop == "s":
+            return "bn1"
+        if self.stop[0] == "a":
+            return f"layer1.{self.stop[1:]}.bn1"
+        return _layer_of(self.stop, "bn")
 
 
 # -- the walks -------------------------------------------------------------------------------
-def stem_walk(ops, levels: int, spec: RegionSpec, x):
-    """x -> stem conv (-> stop "s") -> bn1, ReLU, max-pool (-> layer1 at levels=3): the 1/4-res
-    feature the encoder goes on with. A region starting at "s" takes the convolution's output."""
-    s = x if spec.start == "s" else ops.conv("conv1", x)
-    if spec.stop == "s":
-        return s
-    p = ops.pool(ops.norm("bn1", s, relu=True))
-    if levels < 3:
-        return p
-    for j in range(LAYER1_BLOCKS):  # torchvision BasicBlock without down-sampling
-        h = ops.norm(f"layer1.{j}.bn1", ops.conv(f"layer1.{j}.conv1", p), relu=True)
-        h = ops.norm(f"layer1.{j}.bn2", ops.conv(f"layer1.{j}.conv2", h))
-        p = ops.relu(ops.add(h, p))
-    return p
+def encoder_walk(ops, levels: int, spec: RegionSpec, strips):
+    """x -> stem conv (-> "s") -> bn1, ReLU, max-pool (-> "p0", then layer1 at levels=3: per
+    BasicBlock j, p<j> -> conv1 (-> "a<j>") -> bn1, ReLU, conv2, bn2, + p<j>, ReLU -> p<j+1>):
+    the 1/4-res feature the untiled levels go on with, or the region's stop on the way."""
+    named = dict(zip(spec.inputs, strips))
+    if spec.start in STEM_STARTS:
+        s = named["s"] if spec.start == "s" else ops.conv("conv1", named["x"])
+        if spec.stop == "s":
+            return s
+        t, kind, j = ops.pool(ops.norm("bn1", s, relu=True)), "p", 0
+        if levels < 3:
+            return t
+    else:
+        t, kind, j = named[spec.start], spec.start[0], int(spec.start[1:])
+    residual = named.get(f"p{j}")  # a region starting inside block j takes its input too
+    while f"{kind}{j}" != spec.stop:  # torchvision's BasicBlock without down-sampling
+        if kind == "p":
+            if j == LAYER1_BLOCKS:
+                return t  # layer1's output
+            residual, t, kind = t, ops.conv(f"layer1.{j}.conv1", t), "a"
+        else:
+            h = ops.conv(f"layer1.{j}.conv2", ops.norm(f"layer1.{j}.bn1", t, relu=True))
+            t, kind, j = ops.relu(ops.add(ops.norm(f"layer1.{j}.bn2", h), residual)), "p", j + 1
+    return t
 
 
 def decoder_walk(ops, spec: RegionSpec, strips):
@@ -106,15 +128,12 @@ def _conv1(ops, block: int, d, named: dict):
 
 
 # -- the regions of a tiling -------------------------------------------------------------------
-def region_specs(levels: int, keep: str) -> list[RegionSpec]:
-    """The stem's regions (levels >= 2) and the decoder regions, in the order they run."""
-    coarse = 2 ** levels  # the coarse grid is 1/coarse of the input resolution
-    specs = []
-    if levels >= 2 and keep == "bn":
-        specs.append(RegionSpec("stem.conv1", ("x",), (coarse,), "x", "s"))
-        specs.append(RegionSpec("stem", ("s",), (coarse // 2,), "s", None))
-    elif levels >= 2:
-        specs.append(RegionSpec("stem", ("x",), (coarse,), "x", None))
+def region_specs(levels: int, keep: str, layer1: str = "whole") -> list[RegionSpec]:
+    """The encoder's regions (levels >= 2) and the decoder regions, in the order they run.
+    `layer1` (levels=3): "whole" runs layer1 inside the stem's region, "blocks" one region per
+    BasicBlock (its input p<j> kept), "convs" also cuts each block at its first convolution's
+    output a<j>."""
+    specs = _encoder_specs(levels, keep, layer1) if levels >= 2 else []
     start = f"d{LAST_BLOCK + 1 - levels}"
     for stop in _cuts(levels, keep) + [None]:
         computed = _conv1_blocks(start, stop)
@@ -124,6 +143,29 @@ def region_specs(levels: int, keep: str) -> list[RegionSpec]:
         specs.append(RegionSpec(name, tuple(inputs), tuple(factors), start, stop))
         start = stop
     return specs
+
+
+def _encoder_specs(levels: int, keep: str, layer1: str) -> list[RegionSpec]:
+    cuts = ["s"] if keep == "bn" else []
+    if levels >= 3 and layer1 != "whole":
+        for j in range(LAYER1_BLOCKS):
+            cuts += [f"p{j}", f"a{j}"] if layer1 == "convs" else [f"p{j}"]
+    specs, start = [], "x"
+    for stop in cuts + [None]:
+        inputs = (start,) if start[0] != "a" else (start, f"p{start[1:]}")  # + the residual
+        specs.append(RegionSpec(_encoder_name(start, stop), inputs,
+                                tuple(_factor(n, levels) for n in inputs), start, stop))
+        start = stop
+    return specs
+
+
+def _encoder_name(start: str, stop: str | None) -> str:
+    if stop == "s":
+        return "stem.conv1"
+    if start in STEM_STARTS:
+        return "stem"
+    block = f"layer1.{start[1:]}"
+    return f"{block}.conv1" if stop is not None and stop[0] == "a" else block
 
 
 def _cuts(levels: int, keep: str) -> list[str]:
@@ -158,7 +200,9 @@ def _conv1_blocks(start: str, stop: str | None) -> set[int]:
 def _factor(name: str, levels: int) -> int:
     """An input's resolution in multiples of the coarse grid (1/2**levels)."""
     log2_res = {"x": 0, "s": -1, "l1": -2}.get(name)  # log2 of the resolution to the input's
-    if log2_res is None:
+    if name[0] in "pa":  # layer1's tensors, at 1/4 res
+        log2_res = -2
+    elif log2_res is None:
         block = int(name[1:])  # block i's input is at 1/2**(5-i), its output at 1/2**(4-i)
         log2_res = block - 5 if name[0] == "d" else block - 4
     return 2 ** (levels + log2_res)
@@ -226,7 +270,7 @@ class Traced:
 def trace(spec: RegionSpec, levels: int) -> Traced:
     ops = TraceOps()
     inputs = [Trace(f, [(f, ())]) for f in spec.factors]
-    out = stem_walk(ops, levels, spec, inputs[0]) if spec.start in STEM_STARTS \
+    out = encoder_walk(ops, levels, spec, inputs) if spec.encoder \
         else decoder_walk(ops, spec, inputs)
     norms = [name for name in ops.modules if ".bn" in name or name == "bn1"]
     return Traced(ops.modules, norms, ops.norm_paths + out.paths())

@@ -8,7 +8,7 @@ The halos follow from the regions' own walks (chain.trace).
 from __future__ import annotations
 
 from memstudy.errors import ConfigError
-from memstudy.tiling.chain import region_specs, trace
+from memstudy.tiling.chain import LAYER1, region_specs, trace
 from memstudy.tiling.geometry import halo
 
 LEVELS = (1, 2, 3)  # tiled levels implemented
@@ -20,14 +20,15 @@ VALIDATION_LEVELS = 3  # what the tiled validation forward tiles (1/4 res includ
 NETWORK_LEVELS = 6  # full resolution and the five down-sampled grids (1/2 .. 1/32)
 
 
-def halos(levels: int, keep: str = "none") -> dict[str, tuple[int, int]]:
+def halos(levels: int, keep: str = "none", layer1: str = "whole") -> dict[str, tuple[int, int]]:
     """(top, bottom) halo in coarse rows of each region tiled at `levels` with `keep`."""
-    return {spec.name: halo(trace(spec, levels).paths) for spec in region_specs(levels, keep)}
+    return {spec.name: halo(trace(spec, levels).paths)
+            for spec in region_specs(levels, keep, layer1)}
 
 
-def min_tile_rows(levels: int, keep: str = "none") -> int:
+def min_tile_rows(levels: int, keep: str = "none", layer1: str = "whole") -> int:
     """Full-resolution rows of the widest halo: a tile must own at least this many rows."""
-    return max(max(h) for h in halos(levels, keep).values()) * 2 ** levels
+    return max(max(h) for h in halos(levels, keep, layer1).values()) * 2 ** levels
 
 
 def check_levels(levels: int, what: str) -> None:
@@ -39,6 +40,14 @@ def check_levels(levels: int, what: str) -> None:
         raise ConfigError(f"{what}={levels} is not implemented (tiling 1/8 res and below would "
                           f"tile layer2, whose 128 channels make tiles no cheaper than "
                           f"checkpointing); use one of {list(LEVELS)}")
+
+
+def check_layer1(layer1: str, levels: int, what: str) -> None:
+    if layer1 not in LAYER1:
+        raise ConfigError(f"{what}={layer1!r} is not a way to cut layer1; use one of {list(LAYER1)}")
+    if layer1 != "whole" and levels < 3:
+        raise ConfigError(f"{what}={layer1} cuts layer1, which only levels=3 tiles (levels="
+                          f"{levels}); set tile:levels=3 or {what}=whole")
 
 
 def check_keep(keep: str, what: str) -> None:

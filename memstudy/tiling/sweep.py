@@ -162,6 +162,14 @@ class Sweep:
         return list(tensors[:n]), stats, list(tensors[n + m:])
 
 
+def detached(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A forward sweep's inputs without autograd history. A view taken in no-grad mode of a
+    tensor that requires grad still says requires_grad (with no grad_fn), and hooks that
+    trust the flag (torch.utils.flop_counter's module tracker, on a body that starts with a
+    convolution of its input strip) then fail."""
+    return [t.detach() for t in inputs]
+
+
 def flatten_stats(stats: Sequence[Stats | None]) -> list[torch.Tensor | None]:
     return [t for s in stats for t in (s if s is not None else (None, None))]
 
@@ -182,6 +190,7 @@ class _Stats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sweep: Sweep, k: int, counts: dict, *tensors):
         inputs, stats, _ = sweep.unpack(tensors)
+        inputs = detached(inputs)
         acc = None
         for tile in sweep.tiles:
             if sweep.graphs is not None:
@@ -218,6 +227,7 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sweep: Sweep, counts: dict, *tensors):
         inputs, stats, _ = sweep.unpack(tensors)
+        inputs = detached(inputs)
         out, acc = None, None
         for tile in sweep.tiles:
             if sweep.graphs is not None:
@@ -324,7 +334,11 @@ def backprop_eager(sweep: Sweep, tensors: list, needs: Sequence[bool], target: i
             flat = [None if t is None else t.detach().requires_grad_(needs[n + i])
                     for i, t in enumerate(flatten_stats(stats))]
             leaves = strips + flat + list(params)
-            out = TileRun(region, tile, sweep.unpack([*strips, *flat])[1], target)(strips)
+            # the body sees views of the leaf strips: module hooks that watch their inputs'
+            # gradients (flop_counter's module tracker) cannot do so on a leaf inside
+            # autograd.grad, and a region may start with a convolution of its input strip
+            viewed = [t.view_as(t) if t.requires_grad else t for t in strips]
+            out = TileRun(region, tile, sweep.unpack([*strips, *flat])[1], target)(viewed)
             grad_out = grad_seed(seed, tile, out)
             wanted = [i for i, t in enumerate(leaves) if t is not None and needs[i]]
             if not wanted:

@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from memstudy.errors import ConfigError
-from memstudy.tiling.chain import (LAST_BLOCK, LAYER1_BLOCKS, STEM_STARTS, RegionSpec,
-                                   decoder_walk, region_specs, stem_walk, trace)
+from memstudy.tiling.chain import (LAST_BLOCK, LAYER1_BLOCKS, RegionSpec, decoder_walk,
+                                   encoder_walk, region_specs, trace)
 from memstudy.tiling.geometry import halo, plan_tiles, split_rows
 from memstudy.tiling.graphs import TileGraphs
-from memstudy.tiling.levels import check_keep, check_levels
+from memstudy.tiling.levels import check_keep, check_layer1, check_levels
 from memstudy.tiling.sweep import Region, TileRun, run_region
 
 
@@ -144,7 +144,7 @@ def build_region(unet: nn.Module, spec: RegionSpec, levels: int, produced: set[s
 
     def body(run: TileRun, *strips: torch.Tensor) -> torch.Tensor:
         ops = TensorOps(run, modules, index)
-        return stem_walk(ops, levels, spec, strips[0]) if spec.start in STEM_STARTS \
+        return encoder_walk(ops, levels, spec, strips) if spec.encoder \
             else decoder_walk(ops, spec, strips)
 
     return Region(spec.name, spec.factors, [modules[n] for n in names], len(shared),
@@ -157,15 +157,16 @@ class TiledForward:
     """Replaces `ContrastUNet.forward_padded` on an instance: same function, tiled top levels."""
 
     def __init__(self, unet: nn.Module, levels: int = 2, tiles: int = 0, rows: int = 0,
-                 keep: str = "conv1", graphs: TileGraphs | None = None):
+                 keep: str = "conv1", graphs: TileGraphs | None = None, layer1: str = "whole"):
         """`graphs`: replay the tile bodies as CUDA graphs (memstudy/tiling/graphs.py); None
-        runs them eagerly."""
+        runs them eagerly. `layer1`: how levels=3 cuts layer1 into regions (chain.region_specs)."""
         check_levels(levels, "tile:levels")
         check_keep(keep, "tile:keep")
+        check_layer1(layer1, levels, "tile:layer1")
         check_model(unet, levels)
         self.unet, self.levels, self.tiles, self.rows, self.keep = unet, levels, tiles, rows, keep
         self.graphs = graphs
-        self.specs = region_specs(levels, keep)
+        self.specs = region_specs(levels, keep, layer1)
         produced: set[str] = set()
         self.regions = {spec.name: build_region(unet, spec, levels, produced)
                         for spec in self.specs}
@@ -188,7 +189,7 @@ class TiledForward:
         tiles = self.plan(x.shape[-2])
         values: dict[str, torch.Tensor] = {"x": x}  # the region boundaries alive now
         stats: dict = {}  # norm name -> the statistics it normalises with
-        stem = [spec for spec in self.specs if spec.start in STEM_STARTS]
+        stem = [spec for spec in self.specs if spec.encoder]
         for spec in stem:
             self._run(spec, tiles[spec.name], values, stats)
         values.update(self._untiled(values))
