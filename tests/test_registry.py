@@ -220,7 +220,7 @@ PAIRS = {  # every pair of SPECS, in registry (composition) order
     ('compress', 'tri_accel:low=bf16:elastic=off'): OK,
     ('compress', 'accumulate'): OK,
     ('tile', 'offload'): OFFLOAD_REFUSED,
-    ('tile', 'compile:backend=aot_eager'): 'tile cannot compose with compile',
+    ('tile', 'compile:backend=aot_eager'): OK,
     ('tile', 'daso'): DASO_REFUSED,
     ('tile', 'dp'): DP_REFUSED,
     ('tile', 'fsdp'): 'tile cannot compose with fsdp',

@@ -27,6 +27,13 @@ once, at the end of the forward graph, so the recomputation does not update them
 compares gradients and running statistics with the plain eager model). `memory_budget` then
 acts on what remains outside the regions.
 
+With `tile`, the tiled levels run through tile's own autograd Functions (sweeps over strips,
+statistics as explicit tensors), which TorchDynamo does not trace: compile then compiles the
+modules that run below them through their own forward (`TiledForward.untiled_modules`: the
+residual stages and the untiled decoder blocks, each one graph), and the tile bodies stay eager
+or, with tile:graphs, replay as CUDA graphs. The untiled levels are where a tiled step's
+BatchNorm and ReLU kernels are largest, so that is where fusion pays.
+
 With `fsdp`, fully_shard registers its hooks on the compiled module and on each U-Net block
 inside it; TorchDynamo does not trace FSDP's hooks (torch._dynamo.config.skip_fsdp_hooks), so
 the model runs as one graph per FSDP unit (15 on the U-Net), the all-gathers and
@@ -71,7 +78,7 @@ MINCUT_BACKENDS = ("inductor", "aot_eager_decomp_partition")
 # Techniques verified to compose with compile (tests/test_tech_compile.py, the registry
 # test, tests/test_distributed_spawn.py for fsdp / daso, benchmarks/bench_compile.py); any
 # other is refused by name.
-COMPOSES_WITH = ("amp", "checkpoint", "offload", "dp", "zero", "fsdp", "daso", "allocator")
+COMPOSES_WITH = ("amp", "checkpoint", "offload", "dp", "zero", "fsdp", "daso", "allocator", "tile")
 # Why some cannot be compiled faithfully here.
 NOT_COMPOSABLE = {
     "tri_accel": "its elastic batch changes the input shape and its adaptive precision the "
@@ -262,13 +269,22 @@ def apply(opts: Options, build: Build) -> None:
     kwargs = {"dynamic": opts.dynamic, "fullgraph": opts.fullgraph, "backend": opts.backend}
     if opts.backend == "inductor":
         kwargs["mode"] = opts.mode
-    build.model.compile(**kwargs)
+    for module in compiled_modules(build.model):
+        module.compile(**kwargs)
     guard = RecompileGuard(build.model, build.config.train.warmup_steps)
     build.runtime.forward_contexts.append(guard.forward)
     build.runtime.step_hooks.append(guard.on_step)
     build.notes["compile"] = {"mode": opts.mode, "memory_budget": opts.memory_budget,
                               "dynamic": opts.dynamic, "fullgraph": opts.fullgraph,
-                              "backend": opts.backend}
+                              "backend": opts.backend,
+                              "modules": len(compiled_modules(build.model))}
+
+
+def compiled_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model, or with tile (whose regions Dynamo does not trace) the modules that run
+    below the tiled levels."""
+    tiled = getattr(model, "forward_padded", None)
+    return tiled.untiled_modules() if hasattr(tiled, "untiled_modules") else [model]
 
 
 def compiled_graphs() -> int:

@@ -42,11 +42,12 @@ Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`, `tile:16:keep=conv1`, `ti
   3 sweeps each) or `convs` (also each block's first convolution output: 1 + 2 sweeps).
 Composes with amp, checkpoint:block / selective and invertible (they act on the untiled levels;
 the decoder blocks and stem that tile runs are not run through their wrapped forward), offload
-and saved-tensor compression (they see the region boundaries, which tile's Functions save), dp.
+and saved-tensor compression (they see the region boundaries, which tile's Functions save), dp,
+compile (it compiles the untiled levels' modules; the tiled regions stay eager, or graphed).
 Refused: checkpoint:sqrt (it replaces the encoder/decoder forward that tile runs stage by stage),
 mp / pipeline / fsdp (the model is split or its parameters sharded), quantization (fake
-quantizers would observe each tile separately), compile (not traced through tile's Functions),
-tri_accel:precision (per-unit autocast set by wrapping block forwards that tile bypasses).
+quantizers would observe each tile separately), tri_accel:precision (per-unit autocast set by
+wrapping block forwards that tile bypasses).
 """
 from __future__ import annotations
 
@@ -68,7 +69,6 @@ CONFLICTS = {
     "pipeline": "splits the model into stages, tile runs it whole",
     "fsdp": "shards the parameters that tile reads from the modules per tile",
     "quantization": "its fake quantizers would observe every tile separately (not exact)",
-    "compile": "torch.compile does not trace through tile's autograd Functions",
 }
 
 

@@ -211,6 +211,14 @@ class TiledForward:
         for name in self.last_read[spec.name]:
             del values[name]
 
+    def untiled_modules(self) -> list[nn.Module]:
+        """The modules that run below the tiled levels through their own forward (the residual
+        stages and decoder blocks `_untiled` calls): what `compile` compiles with tile, whose
+        regions run through autograd Functions that TorchDynamo does not trace."""
+        enc, first = self.unet.encoder, LAST_BLOCK + 1 - self.levels
+        stages = [enc.layer1] if self.levels < 3 else []
+        return stages + [enc.layer2, enc.layer3, enc.layer4] + list(self.unet.decoder.blocks[:first])
+
     def _untiled(self, values: dict) -> dict[str, torch.Tensor]:
         """The levels below the tiled ones, through the modules' own forward: the first tiled
         decoder block's input (and layer1's output, its skip at levels=3)."""
