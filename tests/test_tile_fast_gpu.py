@@ -36,8 +36,10 @@ def _step(build, optimizer, x, y) -> torch.Tensor:
 @pytest.mark.parametrize("techniques", [FAST, ["amp:bf16", "checkpoint",
                                                "offload:which=boundaries", "tile:4:keep=all"],
                                         ["amp:bf16", "checkpoint", "offload:which=boundaries",
-                                         "tile:4:keep=bn"]],
-                         ids=["graphs-prefetch", "eager", "eager-keep-bn"])
+                                         "tile:4:keep=bn"],
+                                        ["amp:bf16", "checkpoint", "offload:which=boundaries",
+                                         "tile:4:levels=3:layer1=convs"]],
+                         ids=["graphs-prefetch", "eager", "eager-keep-bn", "eager-layer1-convs"])
 def test_gpu_tiled_step_never_syncs_with_the_host(make_config, techniques):
     """After two warm-up steps (cuDNN's choices, graph captures), a whole training step of the
     ladder's technique set (forward with the chunked loss at its auto block height, backward,
@@ -80,7 +82,8 @@ def _error(got: dict, want: dict) -> float:
 
 @pytest.mark.parametrize("layout", [{"levels": 2, "tiles": 4, "keep": "all"},
                                     {"levels": 3, "tiles": 3, "keep": "conv1"},
-                                    {"levels": 2, "tiles": 4, "keep": "bn"}])
+                                    {"levels": 2, "tiles": 4, "keep": "bn"},
+                                    {"levels": 3, "tiles": 3, "keep": "conv1", "layer1": "convs"}])
 def test_gpu_graphed_tiles_equal_eager_tiles(layout):
     """CUDA-graph replays of the tile bodies against the eager tiles: bf16 autocast within 1e-2
     relative over all gradients (the same kernels; cuDNN may choose other algorithms for the
@@ -118,3 +121,25 @@ def test_gpu_prefetch_hides_the_copies_back(make_config, prefetch):
         assert stats["h2d_exposed_ms"] < 0.8 * stats["h2d_copy_ms"], stats
     else:
         assert stats["h2d_exposed_ms"] == pytest.approx(stats["h2d_copy_ms"]), stats
+
+
+@pytest.mark.parametrize("tile", ["tile:4:keep=all", "tile:4:levels=3:layer1=blocks"])
+def test_gpu_compiled_untiled_levels_equal_the_eager_step(make_config, tile):
+    """compile + tile with Inductor's kernels (Triton) for the untiled levels' modules, in
+    float64 against the same set without compile: every gradient within 1e-9 relative (a
+    correct graph differs by rounding only; bf16 would hide a wrong one in its noise)."""
+    def grads(techniques):
+        cfg = make_config(256, techniques, device="cuda", channels_last=True,
+                          cudnn_benchmark=False)
+        cfg.meter.tensor = "off"
+        build = build_pipeline(make_plan(cfg))
+        model = build.model.double()
+        g = torch.Generator().manual_seed(0)
+        x, y = (torch.rand(1, 1, 256, 256, generator=g, dtype=torch.float64).cuda()
+                for _ in range(2))
+        ((model(x) - y) ** 2).mean().backward()
+        return {n: p.grad.detach() for n, p in model.named_parameters()}
+
+    eager = grads(["checkpoint", tile])
+    compiled = grads(["checkpoint", tile, "compile"])
+    assert _error(compiled, eager) < 1e-9
