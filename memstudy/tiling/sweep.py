@@ -322,39 +322,47 @@ def grad_seed(seed: Seed, tile: Tile, out: torch.Tensor) -> torch.Tensor:
 def backprop_eager(sweep: Sweep, tensors: list, needs: Sequence[bool], target: int | None,
                    seed: Seed, tiles: Sequence[Tile] | None = None) -> list:
     """backprop_tiles over `tiles` (default: all of the sweep's), tile by tile as written."""
-    region = sweep.region
     inputs, stats, params = sweep.unpack(tensors)
-    n = sweep.n_inputs
     grads: list = [None] * len(tensors)
     device_type, enabled, dtype = sweep.autocast
-    for tile in sweep.tiles if tiles is None else tiles:
-        with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
-            strips = [s.detach().requires_grad_(needs[i]) for i, s in
-                      enumerate(strips_of(region, tile, inputs))]
-            flat = [None if t is None else t.detach().requires_grad_(needs[n + i])
-                    for i, t in enumerate(flatten_stats(stats))]
-            leaves = strips + flat + list(params)
-            # the body sees views of the leaf strips: module hooks that watch their inputs'
-            # gradients (flop_counter's module tracker) cannot do so on a leaf inside
-            # autograd.grad, and a region may start with a convolution of its input strip
-            viewed = [t.view_as(t) if t.requires_grad else t for t in strips]
-            out = TileRun(region, tile, sweep.unpack([*strips, *flat])[1], target)(viewed)
-            grad_out = grad_seed(seed, tile, out)
-            wanted = [i for i, t in enumerate(leaves) if t is not None and needs[i]]
-            if not wanted:
-                continue
-            got = torch.autograd.grad(out, [leaves[i] for i in wanted], grad_out,
-                                      allow_unused=True)
-        q0, q1 = tile.strip
-        for i, g in zip(wanted, got):
-            if g is None:
-                continue
-            if i < n:  # an input strip: add into the region's shared input gradient
-                f = region.input_factors[i]
-                sweep.input_grad(i, inputs[i])[..., f * q0:f * q1, :] += g
-            else:
-                grads[i] = g if grads[i] is None else grads[i] + g
+    # autocast entered once for all tiles: its cache keeps each weight's low-precision copy
+    # across them (entered per tile, every convolution recast its weight in every tile)
+    with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        for tile in sweep.tiles if tiles is None else tiles:
+            _backprop_tile(sweep, tile, inputs, stats, params, needs, target, seed, grads)
     return grads
+
+
+def _backprop_tile(sweep: Sweep, tile: Tile, inputs: list, stats: list, params: list,
+                   needs: Sequence[bool], target: int | None, seed: Seed, grads: list) -> None:
+    """One tile of backprop_eager: recompute it with grad, add its gradients into `grads` and
+    the region's shared input gradients."""
+    region, n = sweep.region, sweep.n_inputs
+    strips = [s.detach().requires_grad_(needs[i]) for i, s in
+              enumerate(strips_of(region, tile, inputs))]
+    flat = [None if t is None else t.detach().requires_grad_(needs[n + i])
+            for i, t in enumerate(flatten_stats(stats))]
+    leaves = strips + flat + list(params)
+    # the body sees views of the leaf strips: module hooks that watch their inputs'
+    # gradients (flop_counter's module tracker) cannot do so on a leaf inside
+    # autograd.grad, and a region may start with a convolution of its input strip
+    viewed = [t.view_as(t) if t.requires_grad else t for t in strips]
+    out = TileRun(region, tile, sweep.unpack([*strips, *flat])[1], target)(viewed)
+    grad_out = grad_seed(seed, tile, out)
+    wanted = [i for i, t in enumerate(leaves) if t is not None and needs[i]]
+    if not wanted:
+        return
+    got = torch.autograd.grad(out, [leaves[i] for i in wanted], grad_out,
+                              allow_unused=True)
+    q0, q1 = tile.strip
+    for i, g in zip(wanted, got):
+        if g is None:
+            continue
+        if i < n:  # an input strip: add into the region's shared input gradient
+            f = region.input_factors[i]
+            sweep.input_grad(i, inputs[i])[..., f * q0:f * q1, :] += g
+        else:
+            grads[i] = g if grads[i] is None else grads[i] + g
 
 
 # -- driving a region ----------------------------------------------------------------------
