@@ -375,3 +375,21 @@ def test_compile_with_tile_equals_the_plain_model(tile, plain_and_compiled):
     for name, value in buffers.items():
         torch.testing.assert_close(our_buffers[name], value, rtol=1e-12, atol=1e-12,
                                    msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("techniques, owners", [
+    (["checkpoint", "tile:3:keep=all"], 7 + 16 + 3),  # parts, BasicBlocks, decoder blocks 0-2
+    (["checkpoint"], 1 + 16 + 5),  # the model, BasicBlocks, decoder blocks
+    ([], 1),
+])
+def test_recompile_limit_covers_every_instance_of_a_shared_forward(techniques, owners):
+    """Instances share a code object (tile's four residual stages share Sequential.forward; the
+    checkpointed blocks share checkpoint's wrapper, each a frame of its own after a graph
+    break): 8 graphs each before the run fails. On an H100 the default 8 for all of them
+    stopped compile + checkpoint + tile in its first step (FailOnRecompileLimitHit)."""
+    import torch._dynamo
+
+    from memstudy.techniques.compose import build_pipeline
+
+    build_pipeline(make_plan(cpu_config(["compile:backend=aot_eager", *techniques])))
+    assert torch._dynamo.config.recompile_limit == 8 * owners

@@ -269,7 +269,15 @@ def apply(opts: Options, build: Build) -> None:
     kwargs = {"dynamic": opts.dynamic, "fullgraph": opts.fullgraph, "backend": opts.backend}
     if opts.backend == "inductor":
         kwargs["mode"] = opts.mode
-    for module in compiled_modules(build.model):
+    parts = compiled_modules(build.model)
+    # Dynamo's recompile limit counts graphs per code object, and module instances share
+    # theirs: the compiled parts (tile's 4 residual stages share Sequential.forward) and,
+    # where a graph break splits them into frames of their own (seen on CUDA with checkpoint),
+    # every block whose forward checkpoint replaced (19 share its wrapper). 8 graphs per
+    # instance (PyTorch's default for one) before the run fails; RecompileGuard still stops a
+    # run that compiles anything after warm-up.
+    torch._dynamo.config.recompile_limit = 8 * frame_owners(parts)
+    for module in parts:
         module.compile(**kwargs)
     guard = RecompileGuard(build.model, build.config.train.warmup_steps)
     build.runtime.forward_contexts.append(guard.forward)
@@ -285,6 +293,13 @@ def compiled_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     below the tiled levels."""
     tiled = getattr(model, "forward_padded", None)
     return tiled.untiled_modules() if hasattr(tiled, "untiled_modules") else [model]
+
+
+def frame_owners(parts: list[torch.nn.Module]) -> int:
+    """Module instances that may each be compiled as frames of one shared code object: the
+    compiled parts, and the modules inside them whose `forward` an instance attribute
+    replaced (checkpoint's regions)."""
+    return len(parts) + sum("forward" in vars(m) for part in parts for m in part.modules())
 
 
 def compiled_graphs() -> int:
