@@ -18,19 +18,28 @@ from memstudy.techniques.compose import make_plan
 WORLD, NODE = 4, 2
 B, S, WARMUP, COOLDOWN, TOTAL = 2, 1, 1, 2, 9
 LR = 0.1
+WIRES = ("fp32", "bf16")  # parameters sent at full precision, then rounded to bf16
 
 
 def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def _worker(r, port, out_dir, wire):
-    from memstudy.techniques.daso import DASOSync, Options
-
+def _worker(r, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
                       WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    for wire in WIRES:  # one process start for both runs (start-up dominates on CI)
+        _train(r, out_dir, wire)
+    dist.destroy_process_group()
+
+
+def _train(r, out_dir, wire):
+    """One run of TOTAL steps on this rank, from the same initial model and data for every
+    wire; its log written to rank{r}-{wire}.pkl."""
+    from memstudy.techniques.daso import DASOSync, Options
+
     torch.manual_seed(0)  # same initial model everywhere
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)).double()
     opts = Options(node_size=NODE, B=B, S=S, warmup=WARMUP, cooldown=COOLDOWN, wire=wire)
@@ -50,26 +59,30 @@ def _worker(r, port, out_dir, wire):
         sync.after_step(t)
         log["after_sync"][t] = _flat(model)
     log["rows"] = sync.series()
-    with open(os.path.join(out_dir, f"rank{r}.pkl"), "wb") as fh:
+    with open(os.path.join(out_dir, f"rank{r}-{wire}.pkl"), "wb") as fh:
         pickle.dump(log, fh)
-    dist.destroy_process_group()
-
-
-def _spawn(tmp_path, wire):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_worker, args=(port, str(tmp_path), wire), nprocs=WORLD, join=True)
-    logs = []
-    for r in range(WORLD):
-        with open(tmp_path / f"rank{r}.pkl", "rb") as fh:
-            logs.append(pickle.load(fh))
-    return logs
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    return _spawn(tmp_path_factory.mktemp("daso"), "fp32")
+def wire_logs(tmp_path_factory):
+    """{wire: every rank's log}, from one spawn of WORLD processes."""
+    out = tmp_path_factory.mktemp("daso")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
+    found = {}
+    for wire in WIRES:
+        found[wire] = []
+        for r in range(WORLD):
+            with open(out / f"rank{r}-{wire}.pkl", "rb") as fh:
+                found[wire].append(pickle.load(fh))
+    return found
+
+
+@pytest.fixture(scope="module")
+def logs(wire_logs):
+    return wire_logs["fp32"]
 
 
 def _events(log, name):
@@ -123,8 +136,8 @@ def test_communication_is_recorded_per_step(logs):
     assert rows[(4, "daso_param_bytes")] == n_params * 8  # received the node broadcast
 
 
-def test_bf16_wire_rounds_the_sent_parameters(tmp_path):
-    logs = _spawn(tmp_path, "bf16")
+def test_bf16_wire_rounds_the_sent_parameters(wire_logs):
+    logs = wire_logs["bf16"]
     sent = (logs[0]["after_sync"][3].to(torch.bfloat16) + logs[2]["after_sync"][3].to(torch.bfloat16))
     local = logs[0]["after_step"][4]
     expected = (2 * S * local + sent.double()) / (2 * S + 2)
