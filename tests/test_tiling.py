@@ -242,3 +242,25 @@ def test_region_functions_share_one_input_gradient(monkeypatch):
                 ("top", 0)]
     assert sorted(allocated) == expected and sorted(returned) == expected
     assert_exact(tiled, untiled_step(128, 160, torch.float64), TOL[torch.float64])
+
+
+
+def test_strip_gradient_keeps_the_strips_layout():
+    """The gradient a tile's backward starts from: the owned rows' gradient placed in a zero
+    gradient of the whole strip, in the strip's memory format. Backpropagating through the
+    crop instead (SliceBackward) gives the contiguous format for a channels_last strip, and
+    every op of the tile's backward after it then mixes layouts (strided kernels and layout
+    copies on a GPU)."""
+    from memstudy.tiling.geometry import Tile
+    from memstudy.tiling.sweep import TileRun, strip_gradient
+
+    full = torch.rand(1, 8, 10, 6).to(memory_format=torch.channels_last).requires_grad_()
+    run = TileRun(None, Tile(own=(1, 3), strip=(0, 5)), [])  # rows 2..6 of 10 (factor 2)
+    owned = torch.rand(1, 8, 4, 6).to(memory_format=torch.channels_last)
+    grad = strip_gradient(run, full, owned)
+    assert grad.is_contiguous(memory_format=torch.channels_last) and grad.stride() == full.stride()
+    assert torch.equal(grad[..., 2:6, :], owned)
+    assert grad[..., :2, :].abs().sum() == 0 and grad[..., 6:, :].abs().sum() == 0
+    (through_crop,) = torch.autograd.grad(run.owned(full * 1), full, owned)
+    assert torch.equal(through_crop, grad)  # the same values ...
+    assert not through_crop.is_contiguous(memory_format=torch.channels_last)  # ... other layout

@@ -255,7 +255,7 @@ class TileGraphs:
 
     def _backward_tile(self, sweep, tile: Tile, tensors, needs, target, seed,
                        accumulators) -> list[int] | None:
-        from memstudy.tiling.sweep import TileRun, flatten_stats, seed_gradient
+        from memstudy.tiling.sweep import TileRun, flatten_stats, seed_gradient, strip_gradient
 
         region, n = sweep.region, sweep.n_inputs
         inputs, stats, params = sweep.unpack(tensors)
@@ -271,11 +271,11 @@ class TileGraphs:
                 leaves_flat = [None if t is None else t.detach().requires_grad_(needs[n + j])
                                for j, t in enumerate(flat)]
                 leaves = leaves_in + leaves_flat + aliases
-                out = TileRun(region, local, sweep.unpack([*leaves_in, *leaves_flat])[1],
-                              target)(leaves_in)
-                grad_out = seed_gradient(out, rows, affine)
+                run = TileRun(region, local, sweep.unpack([*leaves_in, *leaves_flat])[1], target)
+                full = run.uncropped(leaves_in)
+                grad_full = strip_gradient(run, full, seed_gradient(run.owned(full), rows, affine))
                 wanted = [i for i, t in enumerate(leaves) if t is not None and needs[i]]
-                got = torch.autograd.grad(out, [leaves[i] for i in wanted], grad_out,
+                got = torch.autograd.grad(full, [leaves[i] for i in wanted], grad_full,
                                           allow_unused=True)
             facts["received"] = [i for i, g in zip(wanted, got) if g is not None]
             for i, g in zip(wanted, got):
