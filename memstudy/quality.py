@@ -53,23 +53,23 @@ BLOCK_ROW_MAPS = 32
 AUTO_ROWS_GRAIN = 64  # auto block heights are multiples of this
 AUTO_SHARE = 0.5  # of the memory left under the cap: the rest is the allocator's slack
 
-# Objects told when an MSSSIMLoss computation starts / ends and when its input's gradient is
-# ready (meters/loss.py: the recorder's LossMeter subscribes during measured steps).
-loss_observers: list = []
-
-
 class MSSSIMLoss(torch.nn.Module):
     """1 - MS-SSIM. chunk_rows > 0: the chunked computation (msssim_chunked.py: same value and
     gradient, the full-resolution maps never stored); 0: pytorch-msssim's own autograd."""
 
-    def __init__(self, scales: int = 5, chunk_rows: int | str = "auto"):
+    def __init__(self, scales: int = 5, chunk_rows: int | str = "auto",
+                 observers: list | None = None):
+        """`observers`: objects told when a computation starts / ends and when its input's
+        gradient is ready (meters/loss.py: the recorder's LossMeter subscribes during measured
+        steps, through the run's Runtime.loss_observers, which is this list)."""
         super().__init__()
         self.weights = msssim_weights(scales)
         self.chunk_rows = chunk_rows
         self.rows_used: set[int] = set()  # block heights chosen (recorded with the run)
+        self.observers = [] if observers is None else observers
 
     def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        observers = list(loss_observers)
+        observers = list(self.observers)
         if observers and out.requires_grad:  # the model output's gradient: loss backward done
             out.register_hook(lambda grad: _notify(observers, "loss_backward_done"))
         _notify(observers, "loss_started")

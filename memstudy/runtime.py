@@ -55,23 +55,26 @@ def is_boundary(obj: Any) -> bool:
     return bool(getattr(obj, BOUNDARY, False))
 
 
-_REGION_DEPTH = [0]  # checkpoint regions running now (their forward, or their recomputation)
+class CheckpointRegions:
+    """The checkpoint regions running now (their forward, or their recomputation), counted by
+    `checkpoint` and read by ops that spend extra work to save less (compress's ReLU sign
+    masks): inside a region what they save is discarded in forward and lives only during the
+    region's own backward when recomputed, so they skip the work. One per run (the Runtime's)."""
 
+    def __init__(self):
+        self.depth = 0
 
-@contextlib.contextmanager
-def checkpoint_region():
-    """Inside: code runs as part of a checkpoint region, whose saved tensors are discarded in
-    forward and live only during the region's own backward when recomputed. Ops that spend
-    extra work to save less (compress's ReLU sign masks) skip it here."""
-    _REGION_DEPTH[0] += 1
-    try:
-        yield
-    finally:
-        _REGION_DEPTH[0] -= 1
+    @contextlib.contextmanager
+    def running(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
 
-
-def in_checkpoint_region() -> bool:
-    return _REGION_DEPTH[0] > 0
+    @property
+    def active(self) -> bool:
+        return self.depth > 0
 
 
 @dataclass
@@ -111,6 +114,10 @@ class Runtime:
     # The chain of saved-tensor transforms (compress, offload), in composition order.
     saved_tensor_transforms: list[SavedTensorTransform] = field(default_factory=list)
     saved_tensor_observers: list[Callable[[Any], None]] = field(default_factory=list)
+    # Told when the run's MSSSIMLoss starts / ends and when its input's gradient is ready (the
+    # loss notifies this list: compose.build_pipeline gives it to both).
+    loss_observers: list[Any] = field(default_factory=list)
+    checkpoint_regions: CheckpointRegions = field(default_factory=CheckpointRegions)
     scaler: Any = None  # torch.amp.GradScaler when float16 is in use
     step_hooks: list[Callable[[StepInfo], None]] = field(default_factory=list)
     # Called with the OutOfMemoryError of a failed training step; True means "handled, retry

@@ -341,11 +341,11 @@ def test_checkpoint_recomputes_from_8_bit_region_inputs_and_compresses_nothing_a
     assert cosine > 0.99 and rel_error < 0.15, (cosine, rel_error)  # measured 0.996, 0.085
 
 
-def _masked_step(model, x: torch.Tensor, comp: Compressor, after_forward):
+def _masked_step(model, x: torch.Tensor, comp: Compressor, after_forward, regions=None):
     """Forward (comp's saved-tensor hooks, ReLU sign masks, max-pool offsets) and backward of
     model on x; returns after_forward() as it was between the two."""
-    patch_relus(model, comp)
-    patch_maxpools(model, comp)
+    patch_relus(model, comp, regions)
+    patch_maxpools(model, comp, regions)
     try:
         with torch.autograd.graph.saved_tensors_hooks(comp.pack, comp.unpack):
             out = model(x)
@@ -361,16 +361,18 @@ def test_relus_inside_checkpoint_regions_pack_no_sign_masks():
     """Inside checkpoint regions a ReLU's saved tensors are discarded in forward and live only
     during the region's backward when recomputed: the masks would cost two kernels per ReLU for
     nothing kept, so only ReLUs outside regions (the stem's) pack signs, in forward alone."""
+    from memstudy.runtime import CheckpointRegions
     from memstudy.techniques.checkpoint import apply_per_block
     model = build_unet(seed=0).train()
-    apply_per_block(model, selective=False)
+    regions = CheckpointRegions()  # the run's (Runtime.checkpoint_regions): both share it
+    apply_per_block(model, selective=False, regions=regions)
     x = torch.rand(1, 1, 96, 96, generator=torch.Generator().manual_seed(0))
     comp = Compressor(bits=8, group=256, min_numel=4096)
     packed_shapes = []
     pack_signs = comp.pack_signs
     comp.pack_signs = lambda out, dense: (packed_shapes.append(tuple(out.shape))
                                           or pack_signs(out, dense))
-    in_forward = _masked_step(model, x, comp, lambda: list(packed_shapes))
+    in_forward = _masked_step(model, x, comp, lambda: list(packed_shapes), regions)
     assert in_forward == [(1, 64, 48, 48)]  # the stem's ReLU, the only one outside a region
     assert packed_shapes == in_forward  # the recomputations pack nothing either
 

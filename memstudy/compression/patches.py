@@ -16,7 +16,7 @@ from torch import nn
 
 from memstudy.compression.codec import POOL_OFFSETS, Compressor, _dense_stride
 from memstudy.kernels import quantize as qk
-from memstudy.runtime import in_checkpoint_region
+from memstudy.runtime import CheckpointRegions
 
 
 class _SignMaskedReLU(torch.autograd.Function):
@@ -43,21 +43,25 @@ class _SignMaskedReLU(torch.autograd.Function):
         return ctx.compressor.apply_signs(grad, signs), None, None
 
 
-def _masked_relu_forward(module: nn.ReLU, compressor: Compressor, x: torch.Tensor) -> torch.Tensor:
+def _masked_relu_forward(module: nn.ReLU, compressor: Compressor, regions: CheckpointRegions,
+                         x: torch.Tensor) -> torch.Tensor:
     # inside a checkpoint region the mask would be packed in forward only to be discarded, and
     # packed again in the recomputation for one region's backward: two kernels per ReLU for
     # no memory kept across phases
     if (compressor.active and torch.is_grad_enabled() and x.requires_grad
-            and not in_checkpoint_region()):
+            and not regions.active):
         return _SignMaskedReLU.apply(x, module.inplace, compressor)
     return torch.nn.functional.relu(x, inplace=module.inplace)
 
 
-def patch_relus(model: nn.Module, compressor: Compressor) -> int:
-    """Give every nn.ReLU instance the sign-mask forward; returns how many were patched."""
+def patch_relus(model: nn.Module, compressor: Compressor,
+                regions: CheckpointRegions | None = None) -> int:
+    """Give every nn.ReLU instance the sign-mask forward (plain inside the checkpoint regions
+    `regions` counts: the run's); returns how many were patched."""
     relus = [m for m in model.modules() if type(m) is nn.ReLU]
+    regions = regions or CheckpointRegions()
     for relu in relus:
-        relu.forward = functools.partial(_masked_relu_forward, relu, compressor)
+        relu.forward = functools.partial(_masked_relu_forward, relu, compressor, regions)
     return len(relus)
 
 
@@ -99,19 +103,21 @@ def _pair(v) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else tuple(v)
 
 
-def _offset_pool_forward(module: nn.MaxPool2d, compressor: Compressor, x: torch.Tensor
-                         ) -> torch.Tensor:
+def _offset_pool_forward(module: nn.MaxPool2d, compressor: Compressor,
+                         regions: CheckpointRegions, x: torch.Tensor) -> torch.Tensor:
     if (compressor.active and torch.is_grad_enabled() and x.requires_grad
-            and not in_checkpoint_region()):  # as for the ReLU masks
+            and not regions.active):  # as for the ReLU masks
         return _OffsetIndexMaxPool.apply(x, module)
     return nn.MaxPool2d.forward(module, x)
 
 
-def patch_maxpools(model: nn.Module, compressor: Compressor) -> int:
+def patch_maxpools(model: nn.Module, compressor: Compressor,
+                   regions: CheckpointRegions | None = None) -> int:
     """Give every nn.MaxPool2d instance (without return_indices, with a window of at most 256
     places: one byte per offset) the offset-saving forward."""
     pools = [m for m in model.modules() if type(m) is nn.MaxPool2d and not m.return_indices
              and math.prod(_pair(m.kernel_size)) <= 256]
+    regions = regions or CheckpointRegions()
     for pool in pools:
-        pool.forward = functools.partial(_offset_pool_forward, pool, compressor)
+        pool.forward = functools.partial(_offset_pool_forward, pool, compressor, regions)
     return len(pools)

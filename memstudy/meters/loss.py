@@ -1,8 +1,8 @@
 """The loss's own memory inside the forward and backward phases (docs/metrics.md).
 
 At large images the MS-SSIM loss holds full-resolution maps of its own, on top of the model's
-activations. PhaseRecorder separates them: `MSSSIMLoss` tells its observers (quality.py,
-`loss_observers`) when its computation starts and ends, and when the gradient of its input
+activations. PhaseRecorder separates them: `MSSSIMLoss` tells its observers (the run's
+`Runtime.loss_observers`) when its computation starts and ends, and when the gradient of its input
 (the model's output) is ready, i.e. when the loss's backward is done. A `LossMeter` turns
 those moments into figures for the phase in progress:
 - `active`: inside the loss's forward; the recorder counts what is saved for backward then

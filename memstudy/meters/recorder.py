@@ -26,7 +26,6 @@ from memstudy.meters.nvml import NvmlSampler
 from memstudy.meters.loss import LossMeter
 from memstudy.meters.tensor import LiveTensorMeter, storage_key, unique_storage_bytes
 from memstudy.phases import PHASES
-from memstudy.quality import loss_observers
 from memstudy.runtime import Runtime
 
 TIME_FIGURES = {"time_s"}
@@ -77,8 +76,8 @@ class PhaseRecorder:
                 self.runtime.saved_tensor_observers.append(self._observe_saved)
                 stack.callback(self.runtime.saved_tensor_observers.remove, self._observe_saved)
                 self._loss_saved = set()
-                loss_observers.append(self.loss_meter)
-                stack.callback(loss_observers.remove, self.loss_meter)
+                self.runtime.loss_observers.append(self.loss_meter)
+                stack.callback(self.runtime.loss_observers.remove, self.loss_meter)
             self._measuring = measured
             self._step_id += 1
             first = timed and self.first_step_time is None

@@ -47,8 +47,8 @@ U-Net's blocks draw none. The metadata check of every recomputed tensor
 (`determinism_check`) is off; the gradient tests against the plain model guard the
 recomputation instead. Both are per-region host work on the backward's critical path.
 
-Each region's forward and recomputation run inside `runtime.checkpoint_region()` (a counter),
-so that ops which would spend work saving less (compress's ReLU sign masks) know that what they
+Each region's forward and recomputation run inside the run's `Runtime.checkpoint_regions`
+(a counter), so that ops which would spend work saving less (compress's ReLU sign masks) know that what they
 save here is discarded or short-lived. Modules are not replaced (only `forward` of instances
 is patched), so parameter names and state_dict keys are unchanged. A run of `invertible`'s
 momentum blocks is one region (not under `selective`); other blocks that are not plain ResNet
@@ -73,7 +73,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from memstudy.errors import ConfigError
-from memstudy.runtime import checkpoint_region, mark_boundary
+from memstudy.runtime import CheckpointRegions, mark_boundary
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 from memstudy.techniques.invertible import MomentumBlocks
@@ -164,8 +164,10 @@ def _contexts(modules: list[nn.Module], selective: bool):
     return forward, _recompute_context(modules, recompute)
 
 
-def checkpointed_call(fn: Callable, modules: list[nn.Module], selective: bool, *args, **kwargs):
-    """fn(*args, **kwargs) as one non-reentrant checkpoint region over `modules`."""
+def checkpointed_call(fn: Callable, modules: list[nn.Module], selective: bool,
+                      regions: CheckpointRegions, *args, **kwargs):
+    """fn(*args, **kwargs) as one non-reentrant checkpoint region over `modules`, counted in
+    `regions` while it runs (forward and recomputation)."""
     if not torch.is_grad_enabled():  # validation: nothing is saved, nothing to recompute
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
@@ -187,27 +189,28 @@ def checkpointed_call(fn: Callable, modules: list[nn.Module], selective: bool, *
     extra = {"respect_saved_tensors_hooks": True} if _HAS_RESPECT_HOOKS else {}
     if not torch.compiler.is_compiling():  # host work per region that the U-Net does not need
         extra.update(preserve_rng_state=draws_random(modules), determinism_check="none")
-        fn = functools.partial(_in_region, fn)
+        fn = functools.partial(_in_region, regions, fn)
     if context_fn is not None:  # TorchDynamo refuses noop_context_fn passed explicitly
         extra["context_fn"] = context_fn
     return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 
 
-def _in_region(fn: Callable, *args, **kwargs):
+def _in_region(regions: CheckpointRegions, fn: Callable, *args, **kwargs):
     """fn run as a checkpoint region: in forward and again in the recomputation."""
-    with checkpoint_region():
+    with regions.running():
         return fn(*args, **kwargs)
 
 
 _HAS_RESPECT_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
 
 
-def checkpoint_module(module: nn.Module, selective: bool = False) -> None:
+def checkpoint_module(module: nn.Module, selective: bool = False,
+                      regions: CheckpointRegions | None = None) -> None:
     """Make every call of `module` a checkpoint region (its instance `forward` is replaced)."""
-    original = module.forward
+    original, regions = module.forward, regions or CheckpointRegions()
 
     def forward(*args, **kwargs):
-        return checkpointed_call(original, [module], selective, *args, **kwargs)
+        return checkpointed_call(original, [module], selective, regions, *args, **kwargs)
 
     module.forward = forward
 
@@ -223,17 +226,20 @@ def is_region(module: nn.Module, selective: bool = False) -> bool:
 
 
 # -- placements ------------------------------------------------------------------------------
-def apply_per_block(model: nn.Module, selective: bool) -> tuple[list[str], list[str]]:
-    """`block` / `selective`: each residual block and decoder block; returns (wrapped, skipped)."""
+def apply_per_block(model: nn.Module, selective: bool, regions: CheckpointRegions | None = None
+                    ) -> tuple[list[str], list[str]]:
+    """`block` / `selective`: each residual block and decoder block; returns (wrapped, skipped).
+    `regions` counts the regions running (the run's Runtime.checkpoint_regions)."""
+    regions = regions or CheckpointRegions()
     wrapped, skipped = [], []
     for stage_name, stage in zip(model.residual_stage_names, model.residual_stages):
         for i, block in enumerate(stage):
             region = is_region(block, selective)
             (wrapped if region else skipped).append(f"encoder.{stage_name}.{i}")
             if region:
-                checkpoint_module(block, selective)
+                checkpoint_module(block, selective, regions)
     for i, block in enumerate(model.decoder_blocks):
-        checkpoint_module(block, selective)
+        checkpoint_module(block, selective, regions)
         wrapped.append(f"decoder.blocks.{i}")
     return wrapped, skipped
 
@@ -285,19 +291,20 @@ def _run_decoder_blocks(blocks: list[nn.Module], sizes: list[tuple[int, int]], x
     return x
 
 
-def _encoder_forward(stages: list[list[list[Unit]]], x: torch.Tensor) -> list[torch.Tensor]:
+def _encoder_forward(stages: list[list[list[Unit]]], running: CheckpointRegions,
+                     x: torch.Tensor) -> list[torch.Tensor]:
     """smp 0.6 ResNetEncoder.forward (depth 5): [input, stem, layer1..layer4] outputs."""
     features = [x]
     for regions in stages:
         for region in regions:
             modules = [m for unit in region for m in unit.modules]
-            x = (checkpointed_call(_run_sequence, modules, False, modules, x)
+            x = (checkpointed_call(_run_sequence, modules, False, running, modules, x)
                  if region[0].checkpointable else _run_sequence(modules, x))
         features.append(x)
     return features
 
 
-def _decoder_forward(decoder: nn.Module, regions: list[list[int]],
+def _decoder_forward(decoder: nn.Module, regions: list[list[int]], running: CheckpointRegions,
                      features: list[torch.Tensor]) -> torch.Tensor:
     """smp 0.6 UnetDecoder.forward with the blocks of each region run as one checkpoint."""
     shapes = [f.shape[2:] for f in features][::-1]
@@ -308,11 +315,13 @@ def _decoder_forward(decoder: nn.Module, regions: list[list[int]],
         blocks = [decoder.blocks[i] for i in region]
         sizes = [tuple(shapes[i + 1]) for i in region]
         region_skips = [skips[i] if i < len(skips) else None for i in region]
-        x = checkpointed_call(_run_decoder_blocks, blocks, False, blocks, sizes, x, *region_skips)
+        x = checkpointed_call(_run_decoder_blocks, blocks, False, running, blocks, sizes, x,
+                              *region_skips)
     return x
 
 
-def apply_sqrt(model: nn.Module, segments: int) -> tuple[list[str], list[str], int]:
+def apply_sqrt(model: nn.Module, segments: int, running: CheckpointRegions
+               ) -> tuple[list[str], list[str], int]:
     enc, dec = model.encoder, model.decoder
     if not (isinstance(enc, ResNetEncoder) and enc._depth == 5 and type(dec) is UnetDecoder):
         raise ConfigError(f"checkpoint:sqrt rebuilds smp's ResNet encoder / UnetDecoder forward "
@@ -327,8 +336,8 @@ def apply_sqrt(model: nn.Module, segments: int) -> tuple[list[str], list[str], i
     stages = [[r for r in regions if r[0].group == g] for g in range(decoder_group)]
     decoder_regions = [[int(u.name.split(".")[1]) for u in r] for r in regions
                        if r[0].group == decoder_group]
-    enc.forward = functools.partial(_encoder_forward, stages)
-    dec.forward = functools.partial(_decoder_forward, dec, decoder_regions)
+    enc.forward = functools.partial(_encoder_forward, stages, running)
+    dec.forward = functools.partial(_decoder_forward, dec, decoder_regions, running)
     wrapped = ["+".join(u.name for u in r) for r in regions if r[0].checkpointable]
     skipped = [r[0].name for r in regions if not r[0].checkpointable]
     return wrapped, skipped, k
@@ -337,10 +346,11 @@ def apply_sqrt(model: nn.Module, segments: int) -> tuple[list[str], list[str], i
 def apply(opts: Options, build: Build) -> None:
     model = build.model
     if opts.placement == "sqrt":
-        wrapped, skipped, k = apply_sqrt(model, opts.segments)
+        wrapped, skipped, k = apply_sqrt(model, opts.segments, build.runtime.checkpoint_regions)
         build.notes["checkpoint_segments"] = k
     else:
-        wrapped, skipped = apply_per_block(model, selective=opts.placement == "selective")
+        wrapped, skipped = apply_per_block(model, opts.placement == "selective",
+                                           build.runtime.checkpoint_regions)
     build.notes["checkpoint_regions"] = wrapped
     if skipped:
         build.notes["checkpoint_not_wrapped"] = skipped

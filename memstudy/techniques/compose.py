@@ -158,9 +158,10 @@ def build_pipeline(plan: Plan) -> Build:
     config = plan.config
     reset_global_numerics()
     apply_tuning(config)
-    loss = MSSSIMLoss(config.train.msssim_scales, config.train.loss_chunk_rows)
+    observers: list = []  # the loss tells them when it runs (the recorder's loss meter)
+    loss = MSSSIMLoss(config.train.msssim_scales, config.train.loss_chunk_rows, observers)
     runtime = Runtime(device=plan.device, batch_size=config.train.batch_size, loss_fn=loss,
-                      optimizer_factory=default_optimizer(config))
+                      optimizer_factory=default_optimizer(config), loss_observers=observers)
     runtime.series_sources.append(lambda: _loss_rows(loss, runtime.rank))
     runtime.transform_order = {name: i for i, name in enumerate(plan.chosen)}
     model = build_unet(config.encoder_weights, seed=config.train.seed)

@@ -211,9 +211,11 @@ def apply(opts: Options, build: Build) -> None:
 
         rt.loss_fn = exact_loss
         if opts.relu_mask:
-            build.notes["compress_relus_masked"] = patch_relus(build.model, compressor)
+            build.notes["compress_relus_masked"] = patch_relus(build.model, compressor,
+                                                               rt.checkpoint_regions)
         if opts.pool_offsets:
-            build.notes["compress_pools_offset"] = patch_maxpools(build.model, compressor)
+            build.notes["compress_pools_offset"] = patch_maxpools(build.model, compressor,
+                                                                  rt.checkpoint_regions)
     probe_after = build.config.train.warmup_steps - 1 if opts.grad_probe else None
     build.notes["compress"] = CompressionRecord(compressor, rt, probe_after)
     build.notes["compress_impl"] = impl
