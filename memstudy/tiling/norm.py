@@ -32,15 +32,6 @@ from torch import nn
 Stats = tuple[torch.Tensor, torch.Tensor]  # (mean, biased variance), one value per channel
 
 
-# CUDA uses the SyncBatchNorm primitives unless a test or diagnosis turns one off here (then the
-# reference formulas run on CUDA too)
-CUDA_PRIMITIVES = {"norm": True, "moments": True, "seed": True}
-
-
-def _primitives(z: torch.Tensor, which: str) -> bool:
-    return z.is_cuda and CUDA_PRIMITIVES[which]
-
-
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
@@ -52,7 +43,7 @@ def _channel(t: torch.Tensor) -> torch.Tensor:
 class NormReLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, mean, invstd, weight, bias, relu: bool):
-        if _primitives(z, "norm"):
+        if z.is_cuda:
             y = torch.batch_norm_elemt(z, weight, bias, mean, invstd, 0.0)
         else:
             dtype = compute_dtype(z.dtype)
@@ -68,7 +59,7 @@ class NormReLU(torch.autograd.Function):
     def backward(ctx, grad_y):
         z, mean, invstd, weight, y = ctx.saved_tensors
         dy = torch.ops.aten.threshold_backward(grad_y, y, 0) if ctx.relu else grad_y
-        if _primitives(z, "norm"):
+        if z.is_cuda:
             dy = dy.contiguous(memory_format=memory_format_of(z))
             sum_dy, sum_dy_xmu, grad_w, grad_b = torch.batch_norm_backward_reduce(
                 dy, z, mean, invstd, weight, True, True, True)
@@ -109,7 +100,7 @@ def moments(z: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(count, mean, biased variance) per channel of z, in z's compute dtype, in one pass on
     CUDA (torch.batch_norm_stats reads bf16 directly) or via var_mean elsewhere."""
     n = z.numel() // z.shape[1]
-    if _primitives(z, "moments"):
+    if z.is_cuda:
         eps = 1e-30  # batch_norm_stats returns 1/sqrt(var + eps); var is recovered from it
         mean, invstd = torch.batch_norm_stats(z, eps)
         return n, mean, invstd.pow(-2) - eps
@@ -122,7 +113,7 @@ def statistics_seed(z: torch.Tensor, rows: torch.Tensor | None, mean: torch.Tens
     """rows + shift + scale * (z - mean) per channel (rows None: zero), in z's dtype, computed
     in the statistics' precision and rounded once. Centred first: a + b * z with a = -b * mean
     would cancel catastrophically in float32."""
-    if _primitives(z, "seed"):
+    if z.is_cuda:
         z = z.detach().contiguous(memory_format=memory_format_of(z))
         ones = torch.ones_like(mean)
         if rows is None:  # (z - mean) * invstd * weight + bias with invstd = 1
