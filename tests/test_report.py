@@ -92,7 +92,7 @@ def test_tri_accel_section_only_with_tri_accel_runs(db, make_config, tmp_path):
     assert "Tri-Accel" not in report.build_report(db, "md")  # no tri_accel run: no section
     tri = ResultsDB(tmp_path / "tri.sqlite")
     for techniques in ([], ["tri_accel:low=bf16:t_ctrl=1:t_curv=2:power_iters=1:max_batch=1"]):
-        cfg = make_config(techniques=techniques)
+        cfg = make_config(64, techniques=techniques, msssim_scales=1)  # the smallest image
         cfg.budget = "2GiB"  # the elastic batch needs a capacity on the CPU
         cfg.data.train_images = 3
         assert execute(cfg, tri).status == "ok"

@@ -13,12 +13,19 @@ import torch.distributed as dist
 
 from conftest import small_config
 from memstudy.errors import ConfigError
-from memstudy.techniques.compose import make_plan
 
 WORLD, NODE = 4, 2
 B, S, WARMUP, COOLDOWN, TOTAL = 2, 1, 1, 2, 9
 LR = 0.1
 WIRES = ("fp32", "bf16")  # parameters sent at full precision, then rounded to bf16
+
+
+def make_plan(config):
+    """compose's make_plan, imported on first use: the spawned ranks import this module and
+    need only torch (compose brings the model libraries: ~2 s more in each of the 4 ranks)."""
+    from memstudy.techniques.compose import make_plan as plan
+
+    return plan(config)
 
 
 def _flat(model):
