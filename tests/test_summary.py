@@ -23,7 +23,7 @@ HEADLINES = SUMMARY["headlines"]
 PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "BENCHMARKS.md",
          *sorted((ROOT / "docs").rglob("*.md"))]
 PENDING_PAGES: set[str] = set()
-RESULT_PATH = re.compile(r"results/((?:cpu|h100|h200|h200x2)/[A-Za-z0-9_./-]+)")
+RESULT_PATH = re.compile(r"results/((?:cpu|h[0-9]+(?:x[0-9]+)?)/[A-Za-z0-9_./-]+)")
 
 
 @pytest.mark.parametrize("key", sorted(HEADLINES))
