@@ -68,8 +68,11 @@ def test_auto_impl_is_torch_on_the_cpu():
 # -- the pack / unpack pair ------------------------------------------------------------------
 def test_round_trip_keeps_dtype_shape_layout_within_one_step():
     comp = Compressor(bits=4, group=64, min_numel=0)
+    # its own generator: from the global one, whatever earlier tests drew decided the data, and
+    # about one state in 1500 gives a group whose stochastic rounding misses by more than 0.5
+    gen = torch.Generator().manual_seed(0)
     scales = 10.0 ** torch.linspace(-2, 1, 8).view(1, 8, 1, 1)  # channels of unequal ranges
-    x = (torch.randn(2, 8, 12, 12) * scales).to(torch.bfloat16)
+    x = (torch.randn(2, 8, 12, 12, generator=gen) * scales).to(torch.bfloat16)
     x = x.to(memory_format=torch.channels_last)
     x[:, 3] = -1.5  # a constant channel
     x = x.requires_grad_().mul(1)  # a non-leaf, like every activation
@@ -91,7 +94,7 @@ def test_round_trip_keeps_dtype_shape_layout_within_one_step():
     assert bool(((back - pixels).abs() <= step + bf16_rounding + 1e-6).all())
     assert torch.equal(back[:, 3], pixels[:, 3])  # the constant channel: exact
     # not dense: quantised as a contiguous copy, memory-order groups
-    y = torch.randn(2, 8, 12, 12).to(torch.bfloat16)
+    y = torch.randn(2, 8, 12, 12, generator=gen).to(torch.bfloat16)
     transposed = y.transpose(2, 3).mul(1).transpose(2, 3).transpose(1, 2)
     packed = comp.pack(transposed)
     assert packed.channels == 0
