@@ -1,7 +1,10 @@
 """Shared fixtures. CPU by default; `gpu` / `multigpu` tests skip without the hardware."""
 from __future__ import annotations
 
+import ast
+import functools
 import os
+from pathlib import Path
 
 
 def _threads_per_worker() -> int:
@@ -28,6 +31,18 @@ if "OMP_NUM_THREADS" in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def _uses_module_setup(item) -> bool:
+    """Whether the test uses a fixture its own module defines with a scope wider than one test
+    (a spawn of gloo ranks, a compiled model): made once for all the module's tests that use
+    it, as long as they run one after another in one process."""
+    module = item.nodeid.split("::")[0]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info else ()):
+        if defs and defs[-1].scope != "function" and defs[-1].baseid == module:
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
@@ -35,6 +50,49 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multigpu" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs"))
+    # The `slow` tests (whole training runs, an Inductor compilation, grids of CLI processes: up
+    # to 2 minutes each on 2 cores) first, so that none of them starts last and runs on alone
+    # while the other worker has nothing left; one that uses its module's shared setup stays
+    # with the module's other tests, so that the setup is made once.
+    first = [it for it in items if it.get_closest_marker("slow") and not _uses_module_setup(it)]
+    moved = set(first)
+    items[:] = first + [it for it in items if it not in moved]
+
+
+@functools.cache
+def _shares_setup(path: str) -> bool:
+    """Whether the test module at `path` defines a fixture with a scope wider than one test."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and "fixture" in ast.unparse(node.func):
+            for kw in node.keywords:
+                if kw.arg == "scope" and getattr(kw.value, "value", "function") != "function":
+                    return True
+    return False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (dev/test): xdist's `load` scheduling, except that a module with a setup its tests
+    share (tests/test_distributed_spawn.py's spawn of gloo ranks: 1.5 minutes on 2 cores) goes
+    to one worker as a whole: `load` sends consecutive tests in chunks, and a chunk boundary
+    inside such a module made the setup on both workers (daso's 4-process spawn did). Those
+    modules start first, those with the most tests first; then the other tests one at a time in
+    collection order (the `slow` ones first). xdist's own `--dist loadgroup` would do this with
+    `xdist_group` marks, but with pytest 9.2 it silently stops grouping (pytest-xdist #1386)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedSetupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if _shares_setup(str(config.rootpath / module)) else nodeid
+
+    return SharedSetupScheduling(config, log)
 
 
 def small_config(size: int = 192, techniques: list[str] | None = None, **train) -> RunConfig:

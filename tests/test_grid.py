@@ -186,6 +186,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
 def test_resume_after_killing_a_cell_and_the_runner(tmp_path):
     db = tmp_path / "r.sqlite"
     spec_path = write_spec(tmp_path, [192, 224])
@@ -323,6 +324,7 @@ def test_world_size_cells_need_that_many_gpus(tmp_path):
         spec_from_dict({"world_sizes": [0]})
 
 
+@pytest.mark.slow
 def test_cpu_grid_runs_a_dp_cell_on_two_processes(tmp_path):
     # dp refuses fewer than 2 warm-up steps (DDP rebuilds its buckets in step 2): 3 steps of
     # one global batch (one image per rank), the third measured
