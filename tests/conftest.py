@@ -67,8 +67,10 @@ def _shares_setup(path: str) -> bool:
     except (OSError, SyntaxError, ValueError):
         return False
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and "fixture" in ast.unparse(node.func):
-            for kw in node.keywords:
+        for decorator in getattr(node, "decorator_list", ()):
+            if "fixture" not in ast.unparse(decorator):
+                continue
+            for kw in getattr(decorator, "keywords", ()):
                 if kw.arg == "scope" and getattr(kw.value, "value", "function") != "function":
                     return True
     return False
