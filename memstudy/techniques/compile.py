@@ -285,7 +285,7 @@ def apply(opts: Options, build: Build) -> None:
     build.notes["compile"] = {"mode": opts.mode, "memory_budget": opts.memory_budget,
                               "dynamic": opts.dynamic, "fullgraph": opts.fullgraph,
                               "backend": opts.backend,
-                              "modules": len(compiled_modules(build.model))}
+                              "modules": len(parts)}
 
 
 def compiled_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -13,8 +13,9 @@ segmentation head. Tensors a region may start from, stop at or take: "x" (the im
 (the stem's convolution output before bn1), "p<j>" (layer1 block j's input: p0 the max-pool's
 output), "a<j>" (layer1 block j's first convolution output before its BatchNorm), "l1"
 (layer1's output), "d<i>" (decoder block i's input), "z<i>" / "y<i>" (decoder block i's first /
-second convolution output before its BatchNorm). A region that stops at a tensor before a BatchNorm also produces that BatchNorm's
-statistics (memstudy/tiling/sweep.py), so the next region only normalises it.
+second convolution output before its BatchNorm). A region that stops at a tensor before a
+BatchNorm also produces that BatchNorm's statistics (memstudy/tiling/sweep.py), so the next
+region only normalises it.
 """
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ class RegionSpec:
     name: str
     inputs: tuple[str, ...]
     factors: tuple[int, ...]  # each input's resolution in multiples of the coarse grid
-    start: str  # "x" or "s" (the stem), "d<i>", "z<i>" or "y<i>"
-    stop: str | None  # the tensor before a BatchNorm that ends the region; None: the last one
+    start: str  # "x" or "s" (the stem), "p<j>" or "a<j>" (layer1), "d<i>", "z<i>" or "y<i>"
+    # the kept tensor that ends the region (before a BatchNorm, or a layer1 block's input
+    # p<j>); None: the encoder's or the network's last one
+    stop: str | None
 
     @property
     def encoder(self) -> bool:

@@ -360,15 +360,15 @@ def _backprop_tile(sweep: Sweep, tile: Tile, inputs: list, stats: list, params: 
     flat = [None if t is None else t.detach().requires_grad_(needs[n + i])
             for i, t in enumerate(flatten_stats(stats))]
     leaves = strips + flat + list(params)
+    wanted = [i for i, t in enumerate(leaves) if t is not None and needs[i]]
+    if not wanted:
+        return
     # the body sees views of the leaf strips: module hooks that watch their inputs'
     # gradients (flop_counter's module tracker) cannot do so on a leaf inside
     # autograd.grad, and a region may start with a convolution of its input strip
     viewed = [t.view_as(t) if t.requires_grad else t for t in strips]
     run = TileRun(region, tile, sweep.unpack([*strips, *flat])[1], target)
     full = run.uncropped(viewed)
-    wanted = [i for i, t in enumerate(leaves) if t is not None and needs[i]]
-    if not wanted:
-        return
     got = torch.autograd.grad(full, [leaves[i] for i in wanted],
                               strip_gradient(run, full, grad_seed(seed, tile, run.owned(full))),
                               allow_unused=True)
