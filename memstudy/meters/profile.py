@@ -13,7 +13,10 @@ under torch.profiler and records, as run-level series rows (step 0):
   included: compare busy time with the unprofiled `step_time_s`, not with this).
 Warm-up is never measured, so the profiler perturbs no recorded phase or step time.
 For diagnosis, the environment variable MEMSTUDY_PROFILE_TABLE names a file to which the
-profiled step's kernels, by GPU time (torch.profiler's key_averages table), are appended.
+profiled step's kernels, by GPU time (torch.profiler's key_averages table), are appended, and
+then the same GPU time attributed to where it was spent (`attribution_table`): per op, its input
+shapes, its callers (the op chain above it, up to the nearest labelled range such as a tile
+region's sweep) - the table that says which code a strided copy kernel belongs to.
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
 def step_profile(series: list, rank: int, device: torch.device):
     """Profile the enclosed step; append its rows to `series` (docs/metrics.md)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
+    table = os.environ.get("MEMSTUDY_PROFILE_TABLE")
+    with torch.profiler.profile(activities=activities, record_shapes=bool(table)) as prof:
         t0 = time.perf_counter()
         yield
         torch.cuda.synchronize(device)
@@ -55,11 +59,47 @@ def step_profile(series: list, rank: int, device: torch.device):
             gpu.append((event.time_range.start, event.time_range.end))
         elif event.name in LAUNCHES:
             launches += 1
-    table = os.environ.get("MEMSTUDY_PROFILE_TABLE")
     if table:
         with open(table, "a") as out:
             out.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40) + "\n")
+            out.write(attribution_table(prof.events()) + "\n")
     series += [(rank, 0, "launches_per_step", float(launches)),
                (rank, 0, "kernels_per_step", float(len(gpu))),
                (rank, 0, "gpu_busy_ms_per_step", busy_ms(gpu)),
                (rank, 0, "profiled_step_ms", wall_ms)]
+
+
+def _callers(event, depth: int = 3) -> str:
+    """The `depth` ops above `event`, innermost first, then the nearest labelled range above
+    them (a name with a colon that is not an aten or autograd op: tile regions label their
+    sweeps, memstudy/tiling/sweep.py)."""
+    names, parent = [], event.cpu_parent
+    while parent is not None:
+        name = parent.name.replace("autograd::engine::evaluate_function: ", "")
+        labelled = ":" in name and not name.startswith(("aten::", "autograd::"))
+        if labelled or len(names) < depth:
+            names.append(name)
+        if labelled:
+            break
+        parent = parent.cpu_parent
+    return " < ".join(names)
+
+
+def attribution_table(events, rows: int = 60) -> str:
+    """GPU time of the profiled step by (op, input shapes, callers), largest first."""
+    spent: dict[tuple[str, str, str], list[float]] = {}
+    total = 0.0
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA or not event.self_device_time_total:
+            continue
+        shapes = ",".join("x".join(map(str, s)) for s in (event.input_shapes or []) if s)
+        key = (event.name, shapes, _callers(event))
+        entry = spent.setdefault(key, [0.0, 0])
+        entry[0] += event.self_device_time_total / 1000
+        entry[1] += 1
+        total += event.self_device_time_total / 1000
+    lines = [f"GPU time by op, input shapes and callers ({total:.1f} ms in all)",
+             "| ms | calls | op | input shapes | callers |", "|---|---|---|---|---|"]
+    for (name, shapes, callers), (ms, calls) in sorted(spent.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"| {ms:.1f} | {calls} | {name} | {shapes[:80]} | {callers} |")
+    return "\n".join(lines)

@@ -309,10 +309,11 @@ def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: i
                    seed: Seed) -> list:
     """Recompute every tile with grad and backpropagate its owned rows (see module docstring);
     returns one gradient (or None) per entry of `tensors` = inputs, flat stats, params."""
-    if sweep.graphs is not None:
-        grads = sweep.graphs.backward(sweep, tensors, needs, target, seed)
-    else:
-        grads = backprop_eager(sweep, tensors, needs, target, seed)
+    with label(sweep.region, f"{'apply' if target is None else f'stats {target}'} backward"):
+        if sweep.graphs is not None:
+            grads = sweep.graphs.backward(sweep, tensors, needs, target, seed)
+        else:
+            grads = backprop_eager(sweep, tensors, needs, target, seed)
     for i in range(sweep.n_inputs):
         if needs[i]:
             grads[i] = sweep.settle(i)
@@ -365,8 +366,12 @@ def _backprop_tile(sweep: Sweep, tile: Tile, inputs: list, stats: list, params: 
         return
     # the body sees views of the leaf strips: module hooks that watch their inputs'
     # gradients (flop_counter's module tracker) cannot do so on a leaf inside
-    # autograd.grad, and a region may start with a convolution of its input strip
-    viewed = [t.view_as(t) if t.requires_grad else t for t in strips]
+    # autograd.grad, and a region may start with a convolution of its input strip. An alias
+    # (t[...]) keeps the strides; view_as recomputes them, and gives a channels_last strip of
+    # batch 1 a batch stride of C, which no longer reads as channels_last: cuDNN's backward
+    # then converted every gradient of the strip's first convolution to NCHW and back (an H100
+    # profile at 8192 px: 92 ms of one step's copies in region top)
+    viewed = [t[...] if t.requires_grad else t for t in strips]
     run = TileRun(region, tile, sweep.unpack([*strips, *flat])[1], target)
     full = run.uncropped(viewed)
     got = torch.autograd.grad(full, [leaves[i] for i in wanted],
@@ -381,6 +386,12 @@ def _backprop_tile(sweep: Sweep, tile: Tile, inputs: list, stats: list, params: 
             sweep.input_grad(i, inputs[i])[..., f * q0:f * q1, :] += g
         else:
             grads[i] = g if grads[i] is None else grads[i] + g
+
+
+def label(region: Region, sweep: str) -> torch.profiler.record_function:
+    """A profiler range naming the region and sweep, so that a profile attributes each kernel
+    (memstudy/meters/profile.py, attribution_table)."""
+    return torch.profiler.record_function(f"tile:{region.name}:{sweep}")
 
 
 # -- driving a region ----------------------------------------------------------------------
@@ -408,9 +419,11 @@ def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
         if not bn.training:
             stats[k] = (bn.running_mean, bn.running_var)
             continue
-        stats[k] = _Stats.apply(sweep, k, counts, *inputs, *flatten_stats(stats), *params)
+        with label(region, f"stats {k}"):
+            stats[k] = _Stats.apply(sweep, k, counts, *inputs, *flatten_stats(stats), *params)
         update_running_stats(bn, *stats[k], counts[k])
-    applied = _Apply.apply(sweep, counts, *inputs, *flatten_stats(stats), *params)
+    with label(region, "apply"):
+        applied = _Apply.apply(sweep, counts, *inputs, *flatten_stats(stats), *params)
     if out_norm is None:
         return applied, stats, None
     if not sweep.out_stats:  # eval mode: the running statistics normalise the output
