@@ -124,6 +124,26 @@ def test_prefetch_window_order_and_bound():
     assert window.stats == {"prefetched": 3, "on_demand": 2, "reused": 0, "max_in_flight": 2}
 
 
+def test_prefetch_goes_on_past_a_skip_connection_used_out_of_order():
+    """A skip connection is packed early (an encoder stage saves it) and again late (a decoder
+    block), so backward first unpacks it far out of order. That early use must not stop the
+    prefetching of every copy in between: only a copy's last use moves the window on."""
+    started = []
+    window = PrefetchWindow(lambda host: (started.append(int(host)) or host.clone(), None), limit=1)
+    copies = [torch.tensor(i) for i in range(8)]
+    for c in copies:
+        window.add(c)
+    window.count_use(2)  # the skip connection: saved again by a later decoder block
+    for index in (7, 2, 6, 5, 4, 3, 2, 1, 0):  # backward: the decoder block's use comes early
+        got = window.take(index)
+        if got is None:
+            window.hold(index, copies[index].clone())
+        window.advance(index)
+    assert started == [6, 5, 4, 3, 1, 0]
+    assert window.stats == {"prefetched": 6, "on_demand": 2, "reused": 1, "max_in_flight": 1}
+    assert not window._ready
+
+
 def test_a_copy_shared_by_several_saved_tensors_comes_back_once():
     """Without prefetch, a host copy that several saved tensors share (each Function of a tile
     region saves the region's inputs) is brought back at its first unpack and serves the rest;

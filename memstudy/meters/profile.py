@@ -13,10 +13,11 @@ under torch.profiler and records, as run-level series rows (step 0):
   included: compare busy time with the unprofiled `step_time_s`, not with this).
 Warm-up is never measured, so the profiler perturbs no recorded phase or step time.
 For diagnosis, the environment variable MEMSTUDY_PROFILE_TABLE names a file to which the
-profiled step's kernels, by GPU time (torch.profiler's key_averages table), are appended, and
-then the same GPU time attributed to where it was spent (`attribution_table`): per op, its input
-shapes, its callers (the op chain above it, up to the nearest labelled range such as a tile
-region's sweep) - the table that says which code a strided copy kernel belongs to.
+profiled step's kernels, by GPU time (torch.profiler's key_averages table), are appended, then
+the same GPU time attributed to where it was spent (`attribution_table`: per op, its input
+shapes, its callers up to the nearest labelled range such as a tile region's sweep), and how
+much of the host <-> device copies' time overlapped other GPU work, beside the host's longest
+CUDA runtime calls (`copy_overlap`: a copy that overlaps nothing is on the critical path).
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def step_profile(series: list, rank: int, device: torch.device):
         with open(table, "a") as out:
             out.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40) + "\n")
             out.write(attribution_table(prof.events()) + "\n")
+            out.write(copy_overlap(prof.events()) + "\n")
     series += [(rank, 0, "launches_per_step", float(launches)),
                (rank, 0, "kernels_per_step", float(len(gpu))),
                (rank, 0, "gpu_busy_ms_per_step", busy_ms(gpu)),
@@ -102,4 +104,43 @@ def attribution_table(events, rows: int = 60) -> str:
              "| ms | calls | op | input shapes | callers |", "|---|---|---|---|---|"]
     for (name, shapes, callers), (ms, calls) in sorted(spent.items(), key=lambda kv: -kv[1][0])[:rows]:
         lines.append(f"| {ms:.1f} | {calls} | {name} | {shapes[:80]} | {callers} |")
+    return "\n".join(lines)
+
+
+COPIES = ("Memcpy HtoD", "Memcpy DtoH")
+
+
+def _overlap_ms(interval: tuple[float, float], others: list[tuple[float, float]]) -> float:
+    start, end = interval
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in others) / 1000
+
+
+def copy_overlap(events) -> str:
+    """Host <-> device copies: their time, and how much of it other streams' kernels overlapped;
+    then the CUDA runtime calls the host spent longest in (synchronisations show here)."""
+    kernels: dict[int, list[tuple[float, float]]] = {}
+    copies: dict[str, list[tuple[int, tuple[float, float]]]] = {}
+    runtime: dict[str, list[float]] = {}
+    for e in events:
+        span = (e.time_range.start, e.time_range.end)
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            stream = getattr(e, "device_resource_id", 0)
+            kind = next((c for c in COPIES if e.name.startswith(c)), None)
+            if kind:
+                copies.setdefault(kind, []).append((stream, span))
+            else:
+                kernels.setdefault(stream, []).append(span)
+        elif e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
+            entry = runtime.setdefault(e.name, [0.0, 0])
+            entry[0] += (span[1] - span[0]) / 1000
+            entry[1] += 1
+    lines = ["| copies | ms | overlapped by kernels of other streams, ms |", "|---|---|---|"]
+    for kind, spans in copies.items():
+        total = sum(b - a for _s, (a, b) in spans) / 1000
+        hidden = sum(_overlap_ms(span, [k for other, ks in kernels.items() if other != stream
+                                        for k in ks]) for stream, span in spans)
+        lines.append(f"| {kind} ({len(spans)}) | {total:.1f} | {hidden:.1f} |")
+    lines += ["", "| CUDA runtime call | host ms | calls |", "|---|---|---|"]
+    for name, (ms, calls) in sorted(runtime.items(), key=lambda kv: -kv[1][0])[:12]:
+        lines.append(f"| {name} | {ms:.1f} | {calls} |")
     return "\n".join(lines)
