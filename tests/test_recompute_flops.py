@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import small_config
 from memstudy.techniques.compose import build_pipeline, make_plan
+from memstudy.tiling.unet import up_conv_weight
 
 SIZE = 192  # the smallest MS-SSIM allows; FLOPs do not depend on values, only on shapes
 STEM = "ContrastUNet.net.encoder.conv1"
@@ -81,12 +82,50 @@ EXTRA_FORWARDS = {
 }
 
 
+# The first convolution of a tiled decoder block reads cat(up(d), skip): the tile bodies fold the
+# up-sampling into a stride-2 transposed convolution of d (memstudy/tiling/unet.py, up_conv),
+# whose multiply-adds over d's channels are 4 / 9 of the 3 x 3 convolution's at twice the
+# resolution. Each evaluation, forward or gradient, of such a convolution costs `_fold_ratio`
+# of the plain one's.
+UP_FROM = {"block3.conv1": 2, "block4.conv1": 3}  # the decoder block whose output is up-sampled
+
+
+def _fold_ratio(model: torch.nn.Module, name: str) -> float:
+    blocks = model.net.decoder.blocks
+    total = blocks[int(name[5])].conv1[0].in_channels
+    up = blocks[UP_FROM[name]].conv2[0].out_channels
+    return (4 * up + 9 * (total - up)) / (9 * total)
+
+
+def _folding_flops(model: torch.nn.Module, name: str) -> tuple[int, int]:
+    """FLOPs of folding the weights (an einsum) in one evaluation, forward and gradient."""
+    blocks = model.net.decoder.blocks
+    up = blocks[UP_FROM[name]].conv2[0].out_channels
+    weight = blocks[int(name[5])].conv1[0].weight[:, :up].detach().requires_grad_()
+    with FlopCounterMode(display=False) as forward:
+        folded = up_conv_weight(weight, weight)
+    with FlopCounterMode(display=False) as backward:
+        folded.sum().backward()
+    return forward.get_total_flops(), backward.get_total_flops()
+
+
 @pytest.mark.parametrize("keep", sorted(EXTRA_FORWARDS))
 def test_tile_recomputes_each_convolution_as_its_sweeps_say(plain, keep):
     total, forward = plain
-    extra = sum(count * forward[TILED[name]] for name, count in EXTRA_FORWARDS[keep].items())
+    model = _model([f"tile:1:keep={keep}"])
+    extra = 0.0
+    for name, count in EXTRA_FORWARDS[keep].items():
+        flops = forward[TILED[name]]
+        if name in UP_FROM:  # plain: one forward and two gradients; tiled: each folded,
+            # in 1 + count forwards and one gradient (the last op of its region), each of them
+            # folding the weights too
+            fold_forward, fold_gradient = _folding_flops(model, name)
+            extra += ((3 + count) * _fold_ratio(model, name) * flops - 3 * flops
+                      + (1 + count) * fold_forward + fold_gradient)
+        else:
+            extra += count * flops
     assert all(forward[module] > 0 for module in TILED.values())
-    assert _step_flops(_model([f"tile:1:keep={keep}"])) == total + extra
+    assert _step_flops(model) == pytest.approx(total + extra, rel=1e-12)
 
 
 # levels=3 with layer1 cut into regions: evaluations of each encoder convolution inside the

@@ -213,17 +213,22 @@ def test_offload_hooks_see_the_boundaries_and_keep_gradients():
 
 
 @pytest.mark.parametrize("keep, calls", [("none", 2 * 5 * 2), ("conv1", 2 * 1 * 2)])
-def test_keep_conv1_runs_block3_conv1_once_per_sweep(keep, calls):
+def test_keep_conv1_runs_block3_conv1_once_per_sweep(keep, calls, monkeypatch):
     """Decoder block 3's first convolution (the tiled levels' costliest) per training step with 2
     tiles: in region "top" (keep=none) every one of its 5 sweeps (4 statistics + 1 apply) runs it
     per tile, in forward and again in backward; with keep=conv1 its own region has no BatchNorm
-    of its own, so one sweep forward and one in backward."""
+    of its own, so one sweep forward and one in backward. (The tile bodies run it as
+    TensorOps.up_conv, folded with the up-sampling, not through the module.)"""
+    from memstudy.tiling import unet
+
+    seen = []
+    up_conv = unet.TensorOps.up_conv
+    monkeypatch.setattr(unet.TensorOps, "up_conv",
+                        lambda self, name, *a: seen.append(name) or up_conv(self, name, *a))
     model = build_unet(seed=0)
     model.forward_padded = TiledForward(model, 2, tiles=2, keep=keep)
-    seen = []
-    model.decoder_blocks[3].conv1[0].register_forward_hook(lambda *_: seen.append(1))
     model(torch.rand(1, 1, 128, 128)).square().mean().backward()
-    assert len(seen) == calls
+    assert seen.count("block3.conv1") == calls
 
 
 @pytest.mark.parametrize("keep, own_norms", [
@@ -240,10 +245,20 @@ def test_statistics_of_a_kept_tensor_come_from_the_region_that_writes_it(keep, o
     assert {name: len(r.norms) - r.shared for name, r in tiled.regions.items()} == own_norms
 
 
-def test_keep_bn_runs_every_tiled_convolution_once_per_tile_each_way():
+def test_keep_bn_runs_every_tiled_convolution_once_per_tile_each_way(monkeypatch):
     """keep=bn: each tiled decoder convolution runs once per tile in forward and once in
     backward's recomputation (2 tiles: 4 calls), the stem's in its own region and again for
-    block 3's skip (8; keep=all runs it in the stem's 2 sweeps and block 3's 1, each way: 12)."""
+    block 3's skip (8; keep=all runs it in the stem's 2 sweeps and block 3's 1, each way: 12).
+    The blocks' first convolutions run as TensorOps.up_conv (folded with the up-sampling)."""
+    from memstudy.tiling import unet
+
+    up_conv = unet.TensorOps.up_conv
+
+    def counted(self, name, *args):
+        seen[name] += 1
+        return up_conv(self, name, *args)
+
+    monkeypatch.setattr(unet.TensorOps, "up_conv", counted)
     counts = {}
     for keep in ("bn", "all"):
         model = build_unet(seed=0)

@@ -144,27 +144,3 @@ def test_gpu_compiled_untiled_levels_equal_the_eager_step(make_config, tile):
     compiled = grads(["checkpoint", tile, "compile"])
     assert _error(compiled, eager) < 1e-9
 
-
-def test_gpu_tiled_upsampling_stays_in_the_autocast_dtype(monkeypatch):
-    """CUDA autocast runs upsample_nearest2d in float32; the tile bodies up-sample in their
-    input's dtype instead (nearest up-sampling copies values; its backward sums in float32
-    inside the kernel either way). Every up-sampling of a bf16 tiled step returns bf16, and the
-    gradients equal those of float32 up-sampling within bf16 tolerance (1e-2 relative)."""
-    from memstudy.tiling import unet
-
-    dtypes = []
-    interpolate = unet.F.interpolate
-
-    def recorded(*args, **kwargs):
-        out = interpolate(*args, **kwargs)
-        dtypes.append(out.dtype)
-        return out
-
-    layout = {"levels": 2, "tiles": 4, "keep": "all"}
-    monkeypatch.setattr(unet.F, "interpolate", recorded)
-    in_bf16 = _grads(layout, False, torch.float32, True)
-    assert dtypes and set(dtypes) == {torch.bfloat16}
-    monkeypatch.setattr(unet.TensorOps, "up",
-                        lambda self, t: interpolate(t, scale_factor=2, mode="nearest"))
-    in_float32 = _grads(layout, False, torch.float32, True)
-    assert _error(in_bf16, in_float32) < 1e-2

@@ -1,7 +1,8 @@
 """The tiled part of the smp U-Net / ResNet-34 written once, for two readers (pure Python).
 
 A region's computation is written as a walk over named operations (`conv`, `norm` (with the
-ReLU that follows it fused when `relu=True`), `relu`, `up`, `pool`, `cat`, `add`) of an `ops`
+ReLU that follows it fused when `relu=True`), `relu`, `pool`, `add`, and `up_conv`: a decoder
+block's nearest up-sampling, concatenation with its skip and first convolution) of an `ops`
 object. The tile bodies (memstudy/tiling/unet.py) walk it with tensors of one strip; the
 geometry (`Trace` below) walks the same code with row bookkeeping, so the halo of every region
 follows from exactly the operations its body runs.
@@ -118,16 +119,16 @@ def decoder_walk(ops, spec: RegionSpec, strips):
 
 
 def _conv1(ops, block: int, d, named: dict):
-    """Nearest up-sampling, concatenation with the skip, the first convolution (pre-BN)."""
-    d = ops.up(d)
+    """Nearest up-sampling, concatenation with the skip, the first convolution (pre-BN): one
+    op, `up_conv`, which the tile bodies compute without the up-sampled tensor."""
     skip = SKIPS.get(block)
     if skip == "f1":  # the stem's feature, recomputed from the image with the stem's statistics
         # (keeping the stem's output instead would hold it on the device through the untiled
         # levels: 562 MB at 4188 px, which is what a 4 GiB budget does not have)
-        d = ops.cat(d, ops.norm("bn1", ops.conv("conv1", named["x"]), relu=True))
+        skip = ops.norm("bn1", ops.conv("conv1", named["x"]), relu=True)
     elif skip == "l1":
-        d = ops.cat(d, named["l1"])
-    return ops.conv(f"block{block}.conv1", d)
+        skip = named["l1"]
+    return ops.up_conv(f"block{block}.conv1", d, skip)
 
 
 # -- the regions of a tiling -------------------------------------------------------------------
@@ -255,6 +256,10 @@ class TraceOps:
 
     def pool(self, t: Trace) -> Trace:
         return t.then(POOL)
+
+    def up_conv(self, name: str, d: Trace, skip: Trace | None) -> Trace:
+        up = self.up(d)
+        return self.conv(name, up if skip is None else self.cat(up, skip))
 
     def cat(self, a: Trace, b: Trace) -> Trace:
         assert a.factor == b.factor, (a.factor, b.factor)  # same grid: the walk is consistent

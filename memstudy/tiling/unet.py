@@ -34,6 +34,7 @@ from memstudy.tiling.chain import (LAST_BLOCK, LAYER1_BLOCKS, RegionSpec, decode
 from memstudy.tiling.geometry import halo, plan_tiles, split_rows
 from memstudy.tiling.graphs import TileGraphs
 from memstudy.tiling.levels import check_keep, check_layer1, check_levels
+from memstudy.tiling.norm import memory_format_of
 from memstudy.tiling.sweep import Region, TileRun, run_region
 
 
@@ -122,23 +123,43 @@ class TensorOps:
     def relu(self, t: torch.Tensor) -> torch.Tensor:
         return F.relu(t)
 
-    def up(self, t: torch.Tensor) -> torch.Tensor:
-        # in t's dtype: autocast runs upsample_nearest2d in float32, so every tile wrote a
-        # float32 copy at twice the resolution for the convolution to cast back, and backward
-        # did the same with the gradient (an H100 diagnosis at 2048 px: a cast before and after
-        # each up-sampling, both ways). Nearest up-sampling copies values, and its backward
-        # sums 2 x 2 gradients in float32 inside the kernel in either dtype, rounding once.
-        with torch.autocast(t.device.type, enabled=False):
-            return F.interpolate(t, scale_factor=2, mode="nearest")  # == smp's size=(2h, 2w)
-
     def pool(self, t: torch.Tensor) -> torch.Tensor:
         return self.modules["maxpool"](t)
 
-    def cat(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.cat([a, b], dim=1)
+    def up_conv(self, name: str, d: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
+        """conv(cat(up(d), skip)) without up(d): the convolution's weights over d's channels
+        folded into a stride-2 transposed convolution of d (`up_conv_weight`), plus the
+        convolution of the skip. Exact (each output sums the same products, with the weights of
+        taps that read the same pixel of d added first); the up-sampled and concatenated
+        tensors are never written, and the up-sampled part costs 4 / 9 of the multiply-adds."""
+        conv = self.modules[name]
+        n = d.shape[1]
+        out = F.conv_transpose2d(d, up_conv_weight(conv.weight[:, :n], d), stride=2, padding=1)
+        if skip is not None:
+            out = out + F.conv2d(skip, conv.weight[:, n:], padding=1)
+        return out if conv.bias is None else out + conv.bias[:, None, None]
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b
+
+
+# Nearest up-sampling by 2, then a 3 x 3 convolution (padding 1): output row 2i + a reads
+# up-sampled rows 2i + a - 1 .. 2i + a + 1, which are rows i - 1, i, i (a = 0) or i, i, i + 1
+# (a = 1) of the input. A transposed convolution of stride 2, kernel 4 and padding 1 writes input
+# row i into output rows 2i - 1 + k, k = 0..3, so tap k of the folded kernel holds the 3 x 3 taps
+# that read row i from output row 2i - 1 + k: k = 0 -> tap 2, 1 -> taps 1 + 2, 2 -> taps 0 + 1,
+# 3 -> tap 0. Zero padding agrees: up-sampled row -1 is input row -1.
+_FOLD = ((0, 0, 1), (0, 1, 1), (1, 1, 0), (1, 0, 0))  # [k][tap]
+
+
+def up_conv_weight(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The (in, out, 4, 4) transposed-convolution kernel equal to nearest up-sampling by 2 and
+    the 3 x 3 convolution `weight` (out, in, 3, 3), in `like`'s memory format. Summed in the
+    weight's precision outside autocast (einsum would run in bf16 under it)."""
+    fold = torch.tensor(_FOLD, dtype=weight.dtype, device=weight.device)
+    with torch.autocast(weight.device.type, enabled=False):
+        folded = torch.einsum("kd,le,ocde->cokl", fold, fold, weight)
+    return folded.contiguous(memory_format=memory_format_of(like))
 
 
 def layout_of_weight(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
