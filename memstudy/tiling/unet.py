@@ -149,16 +149,18 @@ class TensorOps:
 # row i into output rows 2i - 1 + k, k = 0..3, so tap k of the folded kernel holds the 3 x 3 taps
 # that read row i from output row 2i - 1 + k: k = 0 -> tap 2, 1 -> taps 1 + 2, 2 -> taps 0 + 1,
 # 3 -> tap 0. Zero padding agrees: up-sampled row -1 is input row -1.
-_FOLD = ((0, 0, 1), (0, 1, 1), (1, 1, 0), (1, 0, 0))  # [k][tap]
+def _fold(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """Taps (0, 1, 2) of `dim` -> (2, 1 + 2, 0 + 1, 0): the four taps of the transposed kernel."""
+    t0, t1, t2 = w.unbind(dim)
+    return torch.stack([t2, t1 + t2, t0 + t1, t0], dim)
 
 
 def up_conv_weight(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The (in, out, 4, 4) transposed-convolution kernel equal to nearest up-sampling by 2 and
-    the 3 x 3 convolution `weight` (out, in, 3, 3), in `like`'s memory format. Summed in the
-    weight's precision outside autocast (einsum would run in bf16 under it)."""
-    fold = torch.tensor(_FOLD, dtype=weight.dtype, device=weight.device)
-    with torch.autocast(weight.device.type, enabled=False):
-        folded = torch.einsum("kd,le,ocde->cokl", fold, fold, weight)
+    the 3 x 3 convolution `weight` (out, in, 3, 3), in `like`'s memory format, in the weight's
+    precision (additions and copies only: no constant to copy to the device, which would
+    synchronise with the host and break CUDA-graph capture)."""
+    folded = _fold(_fold(weight, 2), 3).transpose(0, 1)
     return folded.contiguous(memory_format=memory_format_of(like))
 
 
