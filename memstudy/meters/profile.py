@@ -44,6 +44,14 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1000
 
 
+def on_gpu(event) -> bool:
+    """A kernel or copy that ran on the GPU. A profiler range (record_function, such as a tile
+    region's sweep label) is mirrored on the GPU's timeline as a user annotation spanning all
+    the work launched inside it, idle gaps included: not GPU work."""
+    return (event.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(event, "is_user_annotation", False))
+
+
 @contextlib.contextmanager
 def step_profile(series: list, rank: int, device: torch.device):
     """Profile the enclosed step; append its rows to `series` (docs/metrics.md)."""
@@ -56,7 +64,7 @@ def step_profile(series: list, rank: int, device: torch.device):
         wall_ms = (time.perf_counter() - t0) * 1000
     launches, gpu = 0, []
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        if on_gpu(event):
             gpu.append((event.time_range.start, event.time_range.end))
         elif event.name in LAUNCHES:
             launches += 1
@@ -123,7 +131,7 @@ def copy_overlap(events) -> str:
     runtime: dict[str, list[float]] = {}
     for e in events:
         span = (e.time_range.start, e.time_range.end)
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if on_gpu(e):
             stream = getattr(e, "device_resource_id", 0)
             kind = next((c for c in COPIES if e.name.startswith(c)), None)
             if kind:
