@@ -30,11 +30,13 @@ from pathlib import Path
 
 # the best sets measured (docs/techniques/tile.md, "Measured"): boundary offload + keep=all at
 # levels=2 up to 6 GiB (8 strips fit 4 GiB since offload moves tile's region inputs), levels=3
-# with layer1 cut at its convolutions for 8192 px under 8 GiB (1.87 s against 2.46 s whole)
+# with layer1 cut at its convolutions for 8192 px under 8 GiB, 16 strips, one boundary
+# prefetched (1.102 s against 1.194 s without, same run; 1.866 s before the layout fixes and
+# the folded up-convolution)
 BEST = ("amp:bf16,checkpoint,offload:which=boundaries,tile:8:keep=all,"
         "allocator:expandable_segments=true")
-BEST_LEVELS3 = ("amp:bf16,checkpoint,offload:which=boundaries,"
-                "tile:32:levels=3:keep=conv1:layer1=convs,allocator:expandable_segments=true")
+BEST_LEVELS3 = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
+                "tile:16:levels=3:keep=conv1:layer1=convs,allocator:expandable_segments=true")
 LADDER_SETS = f"{BEST};{BEST_LEVELS3}"
 NATIVE_SET = BEST
 
