@@ -303,3 +303,14 @@ def test_boundary_offload_moves_every_region_input(keep):
         want += 64 * 64 * 64 * 4 + z3 + z4
     assert offloaders[1].offloaded_bytes == want, (offloaders[1].offloaded_bytes, want)
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+@pytest.mark.parametrize("change", [{"padding_mode": "reflect"}, {"groups": 2}])
+def test_a_decoder_convolution_the_walks_do_not_reproduce_is_refused(change):
+    """The strips' halos and the folded up-convolution assume zero padding and one group."""
+    model = build_unet(seed=0)
+    conv = model.decoder_blocks[4].conv1[0]
+    for name, value in change.items():
+        setattr(conv, name, value)
+    with pytest.raises(ConfigError, match="block4.conv1 is not a 3x3 / stride 1 / zero padding"):
+        TiledForward(model, 2, tiles=2)

@@ -83,9 +83,10 @@ def check_model(unet: nn.Module, levels: int) -> None:
     modules = named_modules(unet, levels)
     for name in convs:
         conv = modules[name]
-        if (conv.kernel_size, conv.stride, conv.padding, conv.dilation) != ((3, 3), (1, 1),
-                                                                               (1, 1), (1, 1)):
-            problems.append(f"{name} is not a 3x3 / stride 1 / padding 1 convolution")
+        if (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups,
+                conv.padding_mode) != ((3, 3), (1, 1), (1, 1), (1, 1), 1, "zeros"):
+            problems.append(f"{name} is not a 3x3 / stride 1 / zero padding 1 / ungrouped "
+                            "convolution")
     for i in range(LAST_BLOCK + 1 - levels, LAST_BLOCK + 1):
         block = blocks[i]
         if block.interpolation_mode != "nearest":
