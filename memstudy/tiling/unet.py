@@ -20,7 +20,9 @@ modules' own forward, so checkpoint / invertible / offload / amp act on it uncha
 follow smp 0.6's ResNetEncoder.forward, UnetDecoderBlock.forward (nearest up-sampling by 2,
 concatenation with the skip, attention (identity), two Conv2dReLU = conv, BatchNorm, ReLU),
 torchvision's BasicBlock and SegmentationHead (conv, identity up-sampling, activation) step for
-step; `check_model` refuses a model that differs in anything they rely on.
+step, except that a decoder block's up-sampling, concatenation and first convolution run as one
+exact folded op (`TensorOps.up_conv`); `check_model` refuses a model that differs in anything
+they rely on.
 """
 from __future__ import annotations
 
