@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (at most 8 files come back from a remote GPU machine).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -78,6 +78,14 @@ for item in $STEPS; do
         ladder) $PY benchmarks/bench_ladder.py --part ladder --out "$RES" ${LADDER_ARGS:---budgets 4GiB --step 256} 2>&1 | tee -a "$RES/ladder.log" ;;
         tile-sweeps) $PY benchmarks/bench_tile_sweeps.py --out "$RES" ${TILESWEEPS_ARGS:---size 4188 --tiles 8,16 --profile} 2>&1 | tee -a "$RES/tile-sweeps.log" ;;
         tile-native) $PY benchmarks/bench_ladder.py --part native --out "$RES" ${TILENATIVE_ARGS:-} 2>&1 | tee -a "$RES/ladder.log" ;;
+        # issue 23's two targets in one step: the 4 GiB set at 4188 px beside the tuned step, and the
+        # 8 GiB set at 8192 px, each run twice (their step times spread between runs: BENCHMARKS.md),
+        # with the kernel attribution of each profiled step (docs/metrics.md, "Step profile")
+        tile-targets) mkdir -p "$RES/targets-4188" "$RES/targets-8192"
+            four=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.BEST)")
+            eight=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.BEST_LEVELS3)")
+            MEMSTUDY_PROFILE_TABLE="$RES/targets-4188/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/targets-4188" --size 4188 --budget 4GiB --steps 8 --no-float32 --tiled-set "$four;$four" 2>&1 | tee -a "$RES/targets.log"
+            MEMSTUDY_PROFILE_TABLE="$RES/targets-8192/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/targets-8192" --size 8192 --budget 8GiB --steps 6 --no-float32 --no-references --tiled-set "$eight;$eight" 2>&1 | tee -a "$RES/targets.log" ;;
         compress) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS_ARGS:---sizes 2048 --bases original,amp:bf16+checkpoint} 2>&1 | tee -a "$RES/compress.log" ;;
         compress-breakdown) $PY benchmarks/bench_compress.py --part breakdown --out "$RES/compress" ${COMPRESSBREAKDOWN_ARGS:---sizes 2048} 2>&1 | tee -a "$RES/compress.log" ;;
         compress-4160) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS4160_ARGS:---sizes 4160 --bases amp:bf16+checkpoint,amp:bf16+tile} 2>&1 | tee -a "$RES/compress.log" ;;
