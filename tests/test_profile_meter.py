@@ -24,3 +24,49 @@ def test_profiler_ranges_on_the_gpu_timeline_are_not_gpu_work():
     label = SimpleNamespace(device_type=cuda, is_user_annotation=True)
     host = SimpleNamespace(device_type=cpu, is_user_annotation=False)
     assert on_gpu(kernel) and not on_gpu(label) and not on_gpu(host)
+
+
+def _event(name, device, start=0.0, end=0.0, parent=None, self_us=0.0, shapes=(), stream=0):
+    from types import SimpleNamespace
+
+    import torch
+
+    kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_type=kind, is_user_annotation=False,
+                           time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent,
+                           self_device_time_total=self_us, input_shapes=list(shapes),
+                           device_resource_id=stream)
+
+
+def test_attribution_groups_gpu_time_by_op_shapes_and_callers_up_to_the_sweep_label():
+    from memstudy.meters.profile import attribution_table
+
+    sweep = _event("tile:top:apply backward", "cpu")
+    outer = _event("aten::convolution_backward", "cpu", parent=_event(
+        "autograd::engine::evaluate_function: ConvolutionBackward0", "cpu", parent=sweep))
+    copies = [_event("aten::copy_", "cpu", parent=_event("aten::_to_copy", "cpu", parent=outer),
+                     self_us=2000.0, shapes=[[1, 32, 8, 8], [1, 32, 8, 8]]) for _ in range(2)]
+    other = _event("aten::copy_", "cpu", parent=_event("_NoopSaveInputs", "cpu"), self_us=500.0,
+                   shapes=[[1, 64, 4, 4]])
+    table = attribution_table([*copies, other, _event("kernel", "cuda", self_us=9e9)])
+    lines = table.splitlines()
+    assert lines[0].startswith("GPU time by op") and "(4.5 ms in all)" in lines[0]
+    # the two copies under one sweep are one row, largest first; its callers stop at the label
+    assert lines[3] == ("| 4.0 | 2 | aten::copy_ | 1x32x8x8,1x32x8x8 | aten::_to_copy < "
+                        "aten::convolution_backward < ConvolutionBackward0 < "
+                        "tile:top:apply backward |")
+    assert lines[4] == "| 0.5 | 1 | aten::copy_ | 1x64x4x4 | _NoopSaveInputs |"
+
+
+def test_copy_overlap_counts_only_kernels_of_other_streams():
+    from memstudy.meters.profile import copy_overlap
+
+    events = [_event("Memcpy DtoH (Device -> Pinned)", "cuda", 0, 10_000, stream=7),
+              _event("Memcpy HtoD (Pinned -> Device)", "cuda", 20_000, 30_000, stream=7),
+              _event("conv", "cuda", 5_000, 25_000, stream=1),  # overlaps both by 5 ms
+              _event("same stream", "cuda", 0, 30_000, stream=7),  # never counted
+              _event("cudaStreamSynchronize", "cpu", 0, 4_000)]
+    text = copy_overlap(events)
+    assert "| Memcpy DtoH (1) | 10.0 | 5.0 |" in text
+    assert "| Memcpy HtoD (1) | 10.0 | 5.0 |" in text
+    assert "| cudaStreamSynchronize | 4.0 | 1 |" in text
