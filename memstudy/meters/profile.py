@@ -138,7 +138,7 @@ def copy_overlap(events) -> str:
                 copies.setdefault(kind, []).append((stream, span))
             else:
                 kernels.setdefault(stream, []).append(span)
-        elif e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
+        elif e.name.startswith("cu") and not e.name.startswith("cudnn"):
             entry = runtime.setdefault(e.name, [0.0, 0])
             entry[0] += (span[1] - span[0]) / 1000
             entry[1] += 1

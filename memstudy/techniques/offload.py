@@ -291,7 +291,8 @@ class PrefetchWindow:
     by a decoder block is first unpacked by that decoder block, early in backward. Only a last
     use moves the frontier, so such an early use does not drag it down past every copy in
     between (an earlier version moved its cursor to any unpacked index, and after the first
-    skip connection nothing more was prefetched: 32 of 200 copies in a tiled 4188 px step). A
+    skip connection nothing more was prefetched: 32 of 200 copies brought back in a tiled
+    4188 px run, H100, native-4188-4gib-prefetch1.sqlite under benchmarks/results). A
     prefetched copy the frontier has passed unused is dropped: backward went another way.
     """
 

@@ -137,10 +137,9 @@ class TensorOps:
         tensors are never written, and the up-sampled part costs 4 / 9 of the multiply-adds."""
         conv = self.modules[name]
         n = d.shape[1]
-        out = F.conv_transpose2d(d, up_conv_weight(conv.weight[:, :n], d), stride=2, padding=1)
-        if skip is not None:
-            out = out + F.conv2d(skip, conv.weight[:, n:], padding=1)
-        return out if conv.bias is None else out + conv.bias[:, None, None]
+        out = F.conv_transpose2d(d, up_conv_weight(conv.weight[:, :n], d), conv.bias, stride=2,
+                                 padding=1)
+        return out if skip is None else out + F.conv2d(skip, conv.weight[:, n:], padding=1)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b
