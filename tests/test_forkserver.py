@@ -84,3 +84,21 @@ def test_a_forked_module_that_exits_with_none_exits_0(server, tmp_path):
     log = tmp_path / "none.log"
     assert server.popen(["-m", "timeit", "-n", "1", "-r", "1", "pass"], {}, log).wait() == 0, \
         log.read_text()
+
+
+def test_an_interrupt_to_the_server_prints_no_traceback():
+    """Ctrl-C reaches the runner's whole process group; the runner handles it, so the server
+    must neither die of it nor print a KeyboardInterrupt traceback (it did, into a grid log)."""
+    # a runner started from a shell's background job inherits SIGINT ignored, and so would the
+    # server: start it with the default disposition, as from a terminal
+    before = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        srv = ForkServer()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    try:
+        os.kill(srv.proc.pid, signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):  # still serving: the runner decides
+            srv.proc.wait(timeout=3)
+    finally:
+        srv.close()

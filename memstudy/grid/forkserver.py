@@ -265,6 +265,10 @@ def _check_no_cuda() -> None:
 
 
 def serve(address: str) -> None:
+    # Ctrl-C (or `timeout --signal=INT`) reaches the whole process group: the runner handles
+    # it (records what finished, says how to resume) and kills this server; left to Python
+    # here it would print a KeyboardInterrupt traceback into the grid's output
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _warm_imports()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
