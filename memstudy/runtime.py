@@ -21,6 +21,7 @@ PackHook = Callable[[Any], Any]  # a tensor, or what an earlier transform packed
 UnpackHook = Callable[[Any], Any]
 
 BOUNDARY = "_memstudy_boundary"  # attribute set on tensors kept between regions
+ROWS = "_memstudy_rows"  # ... that backward reads strip by strip (tile region inputs)
 
 
 @dataclass(frozen=True)
@@ -42,17 +43,73 @@ def saved_tensors_of(packed: Any) -> list[torch.Tensor]:
     return list(tensors()) if tensors is not None else []
 
 
-def mark_boundary(*tensors: Any) -> None:
+def mark_boundary(*tensors: Any, rows: bool = False) -> None:
     """Mark tensors kept between regions - checkpoint region inputs, tile boundaries - so that
-    transforms restricted to boundaries (compress / offload `which=boundaries`) act on them.
-    Marking changes nothing else; non-tensors and parameters are ignored."""
+    transforms restricted to boundaries (compress / offload `which=boundaries`) act on them;
+    `rows`: their backward reads them strip by strip, top to bottom, waiting for each strip's
+    rows (tile sweeps: `RowArrivals`). Marking changes nothing else; non-tensors and
+    parameters are ignored."""
     for t in tensors:
         if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
             setattr(t, BOUNDARY, True)
+            if rows:
+                setattr(t, ROWS, True)
 
 
 def is_boundary(obj: Any) -> bool:
     return bool(getattr(obj, BOUNDARY, False))
+
+
+def read_by_rows(obj: Any) -> bool:
+    return bool(getattr(obj, ROWS, False))
+
+
+class RowArrivals:
+    """Tensors handed out while their rows are still arriving, and the readers that wait.
+
+    A tile sweep's backward reads its inputs strip by strip, top to bottom, so the rows below
+    the strip it works on can still be on their way: offload brings such a boundary back from
+    the host in row chunks on a side stream (`arriving`: an object with `wait(lo, hi)` and
+    `wait_all()` that make the current stream wait for those rows' chunks), and the sweep waits
+    for each strip's rows before it reads them (`await_rows`). Only an unpack inside `by_rows()`
+    (the sweeps' backward) may take a tensor whose rows are still arriving; every other unpack
+    waits for all of it (offload calls `wait_all`), since autograd's own nodes read whole
+    tensors. Entries are keyed by the storage's address: autograd may hand the unpacking
+    Function a new tensor object sharing the unpacked one's storage. One per process (`ROWS_IN`),
+    shared by the offloader and the sweeps as `mark_boundary` marks are."""
+
+    def __init__(self):
+        self.depth = 0
+        self._pending: dict[int, Any] = {}
+
+    @contextlib.contextmanager
+    def by_rows(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    @property
+    def wanted(self) -> bool:
+        """The unpack happening now is a row reader's (inside `by_rows`)."""
+        return self.depth > 0
+
+    def arriving(self, t: torch.Tensor, rows: Any) -> None:
+        # entries whose copies have all landed need no wait any more (rows.done: a query)
+        for key in [k for k, pending in self._pending.items() if pending.done()]:
+            del self._pending[key]
+        self._pending[t.untyped_storage().data_ptr()] = rows
+
+    def await_rows(self, t: torch.Tensor, lo: int, hi: int) -> None:
+        """Make the current stream wait until rows lo:hi (dim -2) of `t` have arrived."""
+        if self._pending:
+            rows = self._pending.get(t.untyped_storage().data_ptr())
+            if rows is not None:
+                rows.wait(lo, hi)
+
+
+ROWS_IN = RowArrivals()
 
 
 class CheckpointRegions:

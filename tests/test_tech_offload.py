@@ -30,6 +30,7 @@ def test_negative_min_bytes_is_refused():
 
 @pytest.mark.parametrize("args,option", [
     (["prefetch=-1"], "prefetch"),
+    (["row_chunks=-1"], "row_chunks"),
     (["prefetch=2", "pin_memory=false"], "pin_memory"),  # pageable copies cannot overlap
     (["which=boundaries"], "which=boundaries"),  # nothing marks boundaries without checkpoint
 ])

@@ -102,12 +102,14 @@ def _offload_stats(build) -> dict[str, float]:
             if name.startswith("offload_")}
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_gpu_prefetch_hides_the_copies_back(make_config, prefetch):
+@pytest.mark.parametrize("prefetch,row_chunks", [(0, 0), (0, 16), (2, 16)])
+def test_gpu_prefetch_hides_the_copies_back(make_config, prefetch, row_chunks):
     """Boundary offload at 1024 px: every tile boundary crosses the bus both ways (bytes
-    recorded each way, equal); without prefetch every copy back is on the critical path (exposed
-    = copy time), with prefetch=2 less than that is exposed."""
-    techniques = ["amp:bf16", "checkpoint", f"offload:which=boundaries:prefetch={prefetch}",
+    recorded each way, equal). Without prefetch or row chunks every copy back is on the
+    critical path (exposed = copy time); tile region inputs brought back by rows, their tiles
+    waiting for their strips only, hide part of it, and prefetch=2 more."""
+    techniques = ["amp:bf16", "checkpoint",
+                  f"offload:which=boundaries:prefetch={prefetch}:row_chunks={row_chunks}",
                   "tile:4:keep=all:graphs=true"]
     build, x, y = _pipeline(make_config, 1024, techniques)
     optimizer = build.runtime.optimizer_factory(build.model)
@@ -117,10 +119,38 @@ def test_gpu_prefetch_hides_the_copies_back(make_config, prefetch):
     stats = _offload_stats(build)
     assert stats["d2h_bytes"] > 0 and stats["h2d_bytes"] >= stats["d2h_bytes"] * 0.99
     assert stats["h2d_copy_ms"] > 0
+    assert (stats["by_rows"] > 0) == (row_chunks > 0), stats
     if prefetch:
         assert stats["h2d_exposed_ms"] < 0.8 * stats["h2d_copy_ms"], stats
+    elif row_chunks:
+        assert stats["h2d_exposed_ms"] < 0.9 * stats["h2d_copy_ms"], stats
     else:
         assert stats["h2d_exposed_ms"] == pytest.approx(stats["h2d_copy_ms"]), stats
+
+
+@pytest.mark.parametrize("tile", ["tile:4:keep=all", "tile:3:levels=3:keep=conv1:layer1=convs"])
+def test_gpu_boundaries_brought_back_by_rows_give_the_same_gradients(make_config, tile):
+    """float64, the same step with the tile region inputs brought back in 16 row chunks (each
+    tile waiting for its strip's) and whole: every gradient within 1e-12 relative (the same
+    bytes arrive; a tile that read rows before they landed would be off by far more)."""
+    def grads(row_chunks):
+        techniques = ["checkpoint", f"offload:which=boundaries:row_chunks={row_chunks}", tile]
+        cfg = make_config(320, techniques, device="cuda", channels_last=True,
+                          cudnn_benchmark=False)
+        cfg.meter.tensor = "off"
+        build = build_pipeline(make_plan(cfg))
+        model = build.model.double()
+        g = torch.Generator().manual_seed(0)
+        x, y = (torch.rand(1, 1, 320, 288, generator=g, dtype=torch.float64).cuda()
+                .to(memory_format=torch.channels_last) for _ in range(2))
+        with build.runtime.forward_context():
+            loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        torch.cuda.synchronize()
+        assert (_offload_stats(build)["by_rows"] > 0) == (row_chunks > 0)
+        return {n: p.grad.detach() for n, p in model.named_parameters()}
+
+    assert _error(grads(16), grads(0)) < 1e-12
 
 
 @pytest.mark.parametrize("tile", ["tile:4:keep=all", "tile:4:levels=3:layer1=blocks"])

@@ -31,6 +31,13 @@ How (a pack / unpack pair in the runtime's chain of saved-tensor transforms,
   too (each Function of a tile region saves the region's inputs: a full-resolution boundary
   crossed the bus once per Function before), until its last use or the next copy brought
   back on demand.
+- row chunks (`row_chunks=N`, default 16): a tile region's input (runtime.mark_boundary with
+  rows) comes back in N row chunks on the side stream, issued at once when the region's
+  backward unpacks it; each tile waits (an event, no host sync) only for the chunks of its
+  strip, so the rows below arrive while the tiles above compute, and no whole boundary is
+  brought back early. Such copies are never prefetched. An unpack by anything else (autograd's
+  own nodes) waits for every chunk. Needs a channels_last (or one-channel) layout, where each
+  image's rows are one block of memory; other tensors come back whole.
 - which: `all` saved tensors (above min_bytes), or only `boundaries`, the tensors checkpoint
   (and tile) mark as kept between regions (`runtime.mark_boundary`): the region inputs and
   skip connections, which dominate what checkpointed runs still save.
@@ -49,6 +56,7 @@ tests exercise the pack / unpack pair directly (`Offloader`, host = compute = cp
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import weakref
 from dataclasses import dataclass, field
@@ -57,11 +65,12 @@ from typing import Any
 import torch
 
 from memstudy.errors import ConfigError
-from memstudy.runtime import is_boundary
+from memstudy.runtime import ROWS_IN, is_boundary, read_by_rows
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
-OFFLOADED = "_memstudy_offloaded"  # attribute on a host copy: (compute device, copy event, index)
+# attribute on a host copy: (compute device, copy event, index, read by rows)
+OFFLOADED = "_memstudy_offloaded"
 WHICH = ("all", "boundaries")
 
 
@@ -76,6 +85,10 @@ class Options:
     prefetch: int = field(default=0, metadata={
         "help": "backward brings copies back ahead of use on a side stream, at most this many "
                 "in flight (0: each copy is made when autograd asks for it)"})
+    row_chunks: int = field(default=16, metadata={
+        "help": "a tile region's inputs come back in this many row chunks, on a side stream, "
+                "and each tile waits only for the chunks of its strip (0: the whole tensor "
+                "on the compute stream, when autograd asks for it)"})
     which: str = field(default="all", metadata={
         "choices": WHICH,
         "help": "all: every saved tensor above min_bytes; boundaries: only the tensors "
@@ -87,16 +100,19 @@ class Offloader:
 
     def __init__(self, compute: torch.device, host: torch.device = torch.device("cpu"),
                  min_bytes: int = 64 * 1024, pin_memory: bool = False, prefetch: int = 0,
-                 boundaries_only: bool = False):
+                 boundaries_only: bool = False, row_chunks: int = 0):
         self.compute, self.host = _indexed(torch.device(compute)), torch.device(host)
         self.min_bytes, self.pin_memory = min_bytes, pin_memory
         self.prefetch, self.boundaries_only = prefetch, boundaries_only
         cuda = self.compute.type == "cuda"
+        # chunks need asynchronous copies: a CUDA device and page-locked host buffers
+        self.row_chunks = row_chunks if cuda and pin_memory else 0
         self.stream = torch.cuda.Stream(self.compute) if cuda else None
         # id(device tensor) -> (weak ref to it, its version, host copy): one copy per tensor.
         self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         self.offloaded_bytes = 0  # device -> host bytes so far (a running total)
         self.restored_bytes = 0  # host -> device bytes so far
+        self.by_rows = 0  # copies back made in row chunks (tile region inputs) so far
         self.copy_times = CopyTimes() if cuda else None
         self._window = PrefetchWindow(self._start_copy_back, prefetch)
 
@@ -140,7 +156,8 @@ class Offloader:
                 event = torch.cuda.Event()
                 event.record(self.stream)
             t.record_stream(self.stream)  # keep t's memory until the side-stream copy has read it
-        setattr(host, OFFLOADED, (self.compute, event, self._window.add(host)))
+        by_rows = bool(self.row_chunks) and read_by_rows(t) and _rows_dense(t)
+        setattr(host, OFFLOADED, (self.compute, event, self._window.add(host, by_rows), by_rows))
         self.offloaded_bytes += host.nbytes
         return host
 
@@ -155,10 +172,13 @@ class Offloader:
         info = getattr(host, OFFLOADED, None)
         if info is None:
             return host  # never offloaded
-        device, event, index = info
+        device, event, index, by_rows = info
         ready = self._window.take(index)
         if ready is None:
-            restored = self._copy_back(host, device, event)
+            if by_rows:
+                restored = self._copy_back_by_rows(host, device)
+            else:
+                restored = self._copy_back(host, device, event)
             self._window.hold(index, restored)  # for the copy's other saved tensors, if any
         else:
             restored, copied = ready
@@ -168,6 +188,8 @@ class Offloader:
                 stream.wait_event(copied)
                 restored.record_stream(stream)  # used here: not freed for the side stream early
         self._window.advance(index)
+        if by_rows and not ROWS_IN.wanted:  # autograd's own nodes read the whole tensor
+            ROWS_IN.await_rows(restored, 0, restored.shape[-2])
         return restored
 
     def _copy_back(self, host: torch.Tensor, device: torch.device, event: Any) -> torch.Tensor:
@@ -185,21 +207,56 @@ class Offloader:
         device = getattr(host, OFFLOADED)[0]
         if self.stream is None:
             return self._copy_back(host, device, None), None
-        self.restored_bytes += host.nbytes
+        restored = self._side_stream_target(host, device)
         with torch.cuda.stream(self.stream):
             started = self.copy_times.start(self.stream)
-            restored = host.to(device, non_blocking=True)
+            restored.copy_(host, non_blocking=True)
             copied = torch.cuda.Event(enable_timing=True)
             copied.record(self.stream)
         self.copy_times.prefetched(started, copied)
         return restored, copied
+
+    def _side_stream_target(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Device memory for a copy back on the side stream. It comes from the compute
+        stream's pool, where it is freed: memory allocated on the side stream would be cached
+        for the side stream only, and near a budget the compute stream's allocations would
+        then flush the cache and retry. The side stream waits for the work queued so far,
+        which may still be using that memory."""
+        restored = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        restored.record_stream(self.stream)  # not reused before the side stream is done with it
+        self.restored_bytes += host.nbytes
+        return restored
+
+    def _copy_back_by_rows(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The copy back of a tile region's input, issued in row chunks on the side stream
+        (after the copy out: same stream) and handed out at once; a reader by rows waits for
+        the chunks of each strip (runtime.RowArrivals), so the copy of the rows below overlaps
+        with the tiles above."""
+        restored = self._side_stream_target(host, device)
+        self.by_rows += 1
+        ends = row_chunk_ends(host.shape[-2], self.row_chunks)
+        copied = []
+        with torch.cuda.stream(self.stream):
+            started, top = self.copy_times.start(self.stream), 0
+            for bottom in ends:
+                for n in range(host.shape[0]):  # one dense block per image (_rows_dense)
+                    restored[n, :, top:bottom].copy_(host[n, :, top:bottom], non_blocking=True)
+                done = torch.cuda.Event(enable_timing=True)
+                done.record(self.stream)
+                self.copy_times.prefetched(started, done)
+                copied.append(done)
+                started, top = done, bottom
+        ROWS_IN.arriving(restored, ArrivingRows(ends, copied, self.copy_times, device))
+        return restored
 
     @property
     def transfer_stats(self) -> dict[str, float]:
         """Bytes each way and, on CUDA, the copies back's time and the part of it the compute
         stream waited for (exposed on the critical path). Read once the device is idle (the end
         of a run): events still pending are left out of the times."""
-        found = {"d2h_bytes": float(self.offloaded_bytes), "h2d_bytes": float(self.restored_bytes)}
+        found = {"d2h_bytes": float(self.offloaded_bytes), "h2d_bytes": float(self.restored_bytes),
+                 "by_rows": float(self.by_rows)}
         if self.copy_times is not None:
             found.update(self.copy_times.totals())
         return found
@@ -207,6 +264,50 @@ class Offloader:
     @property
     def stats(self) -> dict[str, float]:
         return {**self._window.stats, **self.transfer_stats}
+
+
+class ArrivingRows:
+    """The row chunks of one copy back, as they land: `wait(lo, hi)` makes the current stream
+    wait for the chunks that hold rows lo:hi (chunks land in order: waiting for the last of
+    them covers the ones above), `wait_all()` for every chunk; `done()` says (without waiting)
+    whether all have landed. Registered with runtime.ROWS_IN."""
+
+    def __init__(self, ends: list[int], copied: list, copy_times: "CopyTimes",
+                 device: torch.device):
+        self.ends, self.copied, self.copy_times, self.device = ends, copied, copy_times, device
+        self.waited = -1  # the last chunk the compute stream waits for already
+
+    def wait(self, lo: int, hi: int) -> None:
+        last = min(bisect.bisect_left(self.ends, hi), len(self.ends) - 1)
+        if last <= self.waited:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        for passed in self.copied[self.waited + 1:last]:
+            self.copy_times.covered(passed)  # their wait is the last chunk's
+        self.copy_times.needed(self.copied[last], stream)
+        stream.wait_event(self.copied[last])
+        self.waited = last
+
+    def wait_all(self) -> None:
+        self.wait(0, self.ends[-1])
+
+    def done(self) -> bool:
+        return self.copied[-1].query()
+
+
+def row_chunk_ends(rows: int, chunks: int) -> list[int]:
+    """The last row (exclusive) of each of `chunks` near-equal chunks of `rows` rows."""
+    chunks = max(1, min(chunks, rows))
+    return [rows * (k + 1) // chunks for k in range(chunks)]
+
+
+def _rows_dense(t: torch.Tensor) -> bool:
+    """Each image's rows a:b of `t` are one dense block of memory (N, C, H, W channels_last, or
+    one channel), so a chunk of rows is one copy per image."""
+    if t.dim() != 4:
+        return False
+    return (t.shape[1] == 1 and t.is_contiguous()) or t.is_contiguous(
+        memory_format=torch.channels_last)
 
 
 class CopyTimes:
@@ -241,6 +342,13 @@ class CopyTimes:
         if entry is not None and entry[2] is None:
             entry[2] = self.start(stream)
 
+    def covered(self, copied) -> None:
+        """A copy the compute stream waits for through a later one's event (row chunks): its
+        time counts, its exposure is the later one's."""
+        entry = self._prefetched.get(id(copied))
+        if entry is not None and entry[2] is None:
+            entry[2] = False
+
     @contextlib.contextmanager
     def on_demand(self, stream):
         started = self.start(stream)
@@ -256,12 +364,12 @@ class CopyTimes:
         """Add the finished pairs to the sums and drop them. A prefetched copy not needed yet
         stays (its need may come) unless `final`: then it counts as copied, not exposed."""
         for key, (started, copied, need) in list(self._prefetched.items()):
-            if not copied.query() or (need is not None and not need.query()):
+            if not copied.query() or (need and not need.query()):
                 continue
             if need is None and not final:
                 continue
             self._copy_ms += started.elapsed_time(copied)
-            if need is not None:
+            if need:  # None: never needed; False: covered by a later copy's wait
                 self._exposed_ms += max(0.0, need.elapsed_time(copied))
             del self._prefetched[key]
         pending = []
@@ -303,6 +411,7 @@ class PrefetchWindow:
         # index -> [device tensor, copy event, uses left, "prefetched" or "reused"]
         self._ready: dict[int, list] = {}
         self._frontier = 0  # copies at or above it have had their last use
+        self._on_demand: set[int] = set()  # copies never prefetched (add)
         self._backward = False  # an unpack happened since the last pack
         self.stats = {"prefetched": 0, "on_demand": 0, "reused": 0, "max_in_flight": 0}
 
@@ -310,12 +419,16 @@ class PrefetchWindow:
         """A pack after backward began: a new forward numbers its copies from 0 (True)."""
         if not self._backward:
             return False
-        self._sequence, self._left, self._ready = [], [], {}
+        self._sequence, self._left, self._ready, self._on_demand = [], [], {}, set()
         self._frontier, self._backward = 0, False
         return True
 
-    def add(self, host: torch.Tensor) -> int:
+    def add(self, host: torch.Tensor, on_demand: bool = False) -> int:
+        """Number a new host copy; `on_demand`: never prefetched (a tile region's input comes
+        back by rows when asked for: prefetched, all of it would sit on the device early)."""
         index = len(self._sequence)
+        if on_demand:
+            self._on_demand.add(index)
         # a copy autograd frees unused (its node never runs) leaves the window
         self._sequence.append(weakref.ref(host, lambda _r, i=index: self._ready.pop(i, None)))
         self._left.append(1)
@@ -373,7 +486,8 @@ class PrefetchWindow:
     def _next_needed(self) -> int | None:
         """The highest copy below the frontier with uses to come, not on the device yet."""
         for i in range(self._frontier - 1, -1, -1):
-            if self._left[i] > 0 and i not in self._ready and self._sequence[i]() is not None:
+            if (self._left[i] > 0 and i not in self._ready and i not in self._on_demand
+                    and self._sequence[i]() is not None):
                 return i
         return None
 
@@ -396,6 +510,9 @@ def check(opts: Options, plan: Plan) -> None:
                           "set train.device = 'cuda' or drop offload")
     if opts.min_bytes < 0:
         raise ConfigError(f"offload: min_bytes={opts.min_bytes} must be >= 0")
+    if opts.row_chunks < 0:
+        raise ConfigError(f"offload: row_chunks={opts.row_chunks} must be >= 0 (0: whole "
+                          "tensors, no row chunks)")
     if opts.prefetch < 0:
         raise ConfigError(f"offload: prefetch={opts.prefetch} must be >= 0 (0: no prefetch)")
     if opts.prefetch and not opts.pin_memory:
@@ -410,7 +527,8 @@ def check(opts: Options, plan: Plan) -> None:
 
 def apply(opts: Options, build: Build) -> None:
     offloader = Offloader(build.device, torch.device("cpu"), opts.min_bytes, opts.pin_memory,
-                          opts.prefetch, boundaries_only=opts.which == "boundaries")
+                          opts.prefetch, boundaries_only=opts.which == "boundaries",
+                          row_chunks=opts.row_chunks)
     build.runtime.add_saved_tensor_transform(offloader.pack, offloader.unpack, owner="offload")
     build.notes["offload_min_bytes"] = opts.min_bytes
     build.runtime.series_sources.append(lambda: _prefetch_rows(offloader, build.runtime.rank))

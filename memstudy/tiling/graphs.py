@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 import torch
 
 from memstudy.errors import ConfigError
+from memstudy.runtime import ROWS_IN
 from memstudy.tiling.geometry import Tile
 from memstudy.tiling.norm import memory_format_of, moments
 
@@ -126,6 +127,8 @@ class TileGraphs:
         plan's tallest strip)."""
         q0, q1 = tile.strip
         tallest = max(t.strip[1] - t.strip[0] for t in sweep.tiles)
+        for x, f in zip(inputs, sweep.region.input_factors):
+            ROWS_IN.await_rows(x, f * q0, f * q1)  # an input offload brings back by rows
         return [self._copied(("in", sweep.region.name, i), x[..., f * q0:f * q1, :],
                              f * tallest * x[..., :1, :].numel())
                 for i, (x, f) in enumerate(zip(inputs, sweep.region.input_factors))]

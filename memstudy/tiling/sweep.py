@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from memstudy.runtime import mark_boundary
+from memstudy.runtime import ROWS_IN, mark_boundary
 from memstudy.tiling.geometry import Path, Tile
 from memstudy.tiling.norm import Stats, memory_format_of, moments, normalize, statistics_seed
 
@@ -104,7 +104,11 @@ class TileRun:
 
 
 def strips_of(region: Region, tile: Tile, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tile's rows of each input, once they are on the device (an input offload brings
+    back by rows may still be arriving: runtime.RowArrivals)."""
     q0, q1 = tile.strip
+    for x, f in zip(inputs, region.input_factors):
+        ROWS_IN.await_rows(x, f * q0, f * q1)
     return [x[..., f * q0:f * q1, :] for x, f in zip(inputs, region.input_factors)]
 
 
@@ -215,7 +219,8 @@ class _Stats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_mean, g_var):
-        *saved, mean = ctx.saved_tensors
+        with ROWS_IN.by_rows():  # the tiles wait for their strips' rows (strips_of)
+            *saved, mean = ctx.saved_tensors
         sweep, count = ctx.sweep, ctx.count
         region = sweep.region
 
@@ -258,7 +263,8 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, g_mean=None, g_var=None):
         sweep = ctx.sweep
-        saved = list(ctx.saved_tensors)
+        with ROWS_IN.by_rows():  # the tiles wait for their strips' rows (strips_of)
+            saved = list(ctx.saved_tensors)
         affine = None
         if sweep.out_stats:
             affine = statistics_affine(saved.pop(), g_mean, g_var, ctx.count)
@@ -406,8 +412,9 @@ def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
     """The region's output over the whole image, the statistics every norm used, and those of
     the output for `region.out_norm` (None without one)."""
     # the inputs are what the region's Functions save: kept boundaries, which transforms
-    # restricted to boundaries (offload / compress which=boundaries) must see
-    mark_boundary(*inputs)
+    # restricted to boundaries (offload / compress which=boundaries) must see; backward reads
+    # them strip by strip (offload may bring them back by rows)
+    mark_boundary(*inputs, rows=True)
     out_norm = region.out_norm
     sweep = Sweep(region, tiles, autocast_state(inputs[0].device.type), torch.is_grad_enabled(),
                   graphs, out_stats=out_norm is not None and out_norm.training)
