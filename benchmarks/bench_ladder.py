@@ -212,6 +212,7 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
                                  default=0),
                      "step": run.get("step_time_s") or run.get("metered_step_time_s"),
                      "retries": run.get("alloc_retries"),
+                     "timed_retries": _timed_retries(rdb, r["id"]),
                      "msssim": None if val is None else 1 - val,
                      **_profile_of(rdb, r["id"]),
                      "error": (r["error"] or "")[:100]})
@@ -226,9 +227,9 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
     lines = [f"GPU: **{', '.join(gpus) or 'unknown'}**; recorded {when}. "
              "Allocator peak = largest absolute allocator peak of any phase (no CUDA context); "
              "NVML peak = device memory used, CUDA context included. Validation MS-SSIM after the "
-             "same steps on the same phantoms. Retries: the allocator's `num_alloc_retries` "
-             "(docs/metrics.md).", "",
-             "| run | status | allocator peak MB | NVML peak MB | retries | step s | "
+             "same steps on the same phantoms. Retries: the allocator's `num_alloc_retries` over the "
+             "run, and over its timed steps (series `alloc_retries`; docs/metrics.md).", "",
+             "| run | status | allocator peak MB | NVML peak MB | retries (run / timed) | step s | "
              f"{reference} | launches / step | GPU busy ms / step | val MS-SSIM | vs float32 | "
              "error |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -239,12 +240,27 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
             f"| {r['label']}", r["status"] + (f" in {r['phase']}" if r["phase"] else ""),
             f"{r['peak'] / 2**20:.0f}" if r["peak"] else "-",
             f"{r['nvml'] / 2**20:.0f}" if r["nvml"] else "-",
-            "-" if r["retries"] is None else f"{r['retries']:.0f}",
+            "-" if r["retries"] is None else f"{r['retries']:.0f}" + (
+                "" if r["timed_retries"] is None else f" / {r['timed_retries']:.0f}"),
             f"{r['step']:.3f}" if r["step"] else "-", ratio,
             f"{r['launches']:.0f}" if r.get("launches") else "-",
             f"{r['busy']:.1f}" if r.get("busy") else "-",
             f"{r['msssim']:.4f}" if r["msssim"] is not None else "-", rel, r["error"] + " |"]))
     return lines
+
+
+def _timed_retries(rdb, run_id: int) -> float | None:
+    """Allocator retries during the timed steps (series `alloc_retries` after the warm-up
+    steps); None for runs recorded before the series existed."""
+    import json
+
+    rows = list(rdb.series(run_id, "alloc_retries"))
+    if not rows:
+        return None
+    config = json.loads(rdb.query("SELECT config_json FROM runs WHERE id = ?",
+                                  (run_id,))[0]["config_json"])
+    warmup = config["train"]["warmup_steps"]
+    return sum(r["value"] for r in rows if r["step"] > warmup)
 
 
 def _profile_of(rdb, run_id: int) -> dict[str, float]:

@@ -34,6 +34,15 @@ from memstudy.techniques.base import Build
 from memstudy.tiling.validation import validation_forward
 
 
+def _record_alloc_retries(state: "TrainState", rank: int, device: torch.device) -> None:
+    """The step's allocator retries (near a budget the caching allocator synchronises the
+    device, frees its cache and tries again: each a slow step), read from the allocator's own
+    counters on the host: no device sync."""
+    total = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    state.series.append((rank, state.step, "alloc_retries", total - state.alloc_retries))
+    state.alloc_retries = total
+
+
 @dataclass
 class TrainState:
     """What the loop has produced so far; kept even when a phase fails."""
@@ -43,6 +52,7 @@ class TrainState:
     series: list[tuple[int, int, str, float]] = field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None
     oom_retries: int = 0
+    alloc_retries: int = 0  # the CUDA allocator's num_alloc_retries after the last step
     started: float | None = None  # perf_counter when the first training step began
     # (seconds since `started`, optimizer steps) when validation first reached
     # train.target_val_loss; None while it has not
@@ -122,6 +132,8 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
             state.series.append((rt.rank, state.step, "batch_size", len(parts[0])))
             if len(parts) > 1 or rt.micro_batches > 1:
                 state.series.append((rt.rank, state.step, "micro_batches", len(parts)))
+            if build.device.type == "cuda":
+                _record_alloc_retries(state, rt.rank, build.device)
             info = StepInfo(step=state.step, epoch=epoch, loss=loss,
                             batch_size=sum(len(indices) for indices in parts),
                             optimizer=optimizer, micro_batches=len(parts))

@@ -285,3 +285,19 @@ def test_a_config_hashed_before_its_check_hashes_as_the_run(techniques):
     planned = resolved(copy.deepcopy(cfg)).hash()
     cfg.check()
     assert resolved(cfg).hash() == planned
+
+
+def test_each_steps_allocator_retries_are_a_series_row(monkeypatch):
+    """The per-step series holds each step's own retries (the counter's change), so retries in
+    timed steps can be told from the first steps' (cuDNN autotuning)."""
+    from memstudy.train import TrainState, _record_alloc_retries
+
+    counts = iter([3, 3, 5])
+    monkeypatch.setattr(torch.cuda, "memory_stats",
+                        lambda device=None: {"num_alloc_retries": next(counts)})
+    state = TrainState()
+    for step in (1, 2, 3):
+        state.step = step
+        _record_alloc_retries(state, 0, torch.device("cuda"))
+    assert state.series == [(0, 1, "alloc_retries", 3), (0, 2, "alloc_retries", 0),
+                            (0, 3, "alloc_retries", 2)]

@@ -59,3 +59,19 @@ def test_native_tiled_settings_reach_the_tiled_runs_only_and_their_label():
     assert tiled and all(r[3] == ("train.loss_chunk_rows=1024",) for r in tiled)
     assert all(r[0].endswith(", train.loss_chunk_rows=1024") for r in tiled)
     assert all("train.loss_chunk_rows=1024" not in r[3] for r in runs if r[2] is None)
+
+
+def test_native_retries_split_the_timed_steps_from_the_warm_up(tmp_path):
+    db = ResultsDB(tmp_path / "native.sqlite")
+    config = {"train": {"image_size": 4188, "batch_size": 1, "warmup_steps": 2}}
+    series = [(0, step, "alloc_retries", n) for step, n in [(1, 9), (2, 3), (3, 1), (4, 0)]]
+    db.record(RunRecord(config=config, config_hash="s", name="s", status="ok",
+                        env={"device": "cuda", "gpu_name": "GPU"}, started_at=time.time(),
+                        label="the set under 4GiB", series=series,
+                        metrics=[(0, "run", "step_time_s", 0.5), (0, "run", "alloc_retries", 13)]))
+    _record(db, "amp:bf16 unconstrained", 0.25)  # recorded without the series
+    rows = [line.split(" | ") for line in bench_ladder.native_table(tmp_path / "native.sqlite")
+            if line.startswith("| ")]
+    column = next(i for i, name in enumerate(rows[0]) if name.startswith("retries"))
+    assert {r[0].lstrip("| "): r[column] for r in rows[1:]} == {
+        "the set under 4GiB": "13 / 1", "amp:bf16 unconstrained": "-"}
