@@ -33,7 +33,7 @@ from pathlib import Path
 # with layer1 cut at its convolutions for 8192 px under 8 GiB, 16 strips, one boundary
 # prefetched (1.102 s against 1.194 s without, same run; 1.866 s before the layout fixes and
 # the folded up-convolution)
-BEST = ("amp:bf16,checkpoint,offload:which=boundaries,tile:8:keep=all,"
+BEST = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,tile:8:keep=all,"
         "allocator:expandable_segments=true")
 BEST_LEVELS3 = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
                 "tile:16:levels=3:keep=conv1:layer1=convs,allocator:expandable_segments=true")

@@ -103,6 +103,7 @@ def test_allocator_tensor_meter_and_nvml_agree_on_cuda(make_config):
             assert abs(alloc - tensor) <= 0.05 * alloc + 2**20, (phase, alloc, tensor)
         # NVML sees the allocator's reserved segments plus the CUDA context
         assert m[(phase, "nvml_peak_bytes")] > m[(phase, "reserved_peak_bytes")]
+        assert m[(phase, "alloc_retries")] == 0  # recorded per phase; no cap, no retry
 
 
 # -- per-phase peaks of a network small enough to count by hand ----------------------------

@@ -155,9 +155,13 @@ class PhaseRecorder:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
+    def _alloc_retries(self) -> int:
+        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+
     def _before(self, rec: dict[str, float]) -> None:
         if self.cuda:
             rec["alloc_start_bytes"] = torch.cuda.memory_allocated(self.device)
+            self._retries_at_start = self._alloc_retries()
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.nvml is not None:
             rec["nvml_start_bytes"] = self.nvml.phase_start()
@@ -174,6 +178,7 @@ class PhaseRecorder:
                 torch.cuda.max_memory_allocated(self.device)) - start)
             rec["alloc_held_bytes"] = torch.cuda.memory_allocated(self.device) - start
             rec["reserved_peak_bytes"] = torch.cuda.max_memory_reserved(self.device)
+            rec["alloc_retries"] = self._alloc_retries() - self._retries_at_start
         if self.nvml is not None:
             rec["nvml_peak_bytes"] = self.nvml.phase_end()
             rec["nvml_delta_bytes"] = rec["nvml_peak_bytes"] - rec["nvml_start_bytes"]
@@ -285,7 +290,7 @@ class PhaseRecorder:
         if nvml:
             run["nvml_peak_total_bytes"] = max(nvml)
         if self.cuda:  # near a budget the allocator frees its cache and retries: slow steps
-            run["alloc_retries"] = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+            run["alloc_retries"] = self._alloc_retries()
         return run
 
 
