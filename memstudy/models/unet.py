@@ -27,6 +27,8 @@ from memstudy.errors import ConfigError
 
 ENCODER = "resnet34"
 STRIDE = 32  # total down-sampling of the encoder: padded sides are multiples of this
+ENCODER_CHANNELS = 512  # ResNet-34's deepest features: the first decoder block's input
+DECODER_CHANNELS = (256, 128, 64, 32, 16)  # smp's default, named: upsampled_elements counts them
 
 
 def padding_for(height: int, width: int) -> tuple[int, int]:
@@ -42,11 +44,24 @@ def pad_to_stride(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, cols, 0, rows), mode="reflect")
 
 
+def upsampled_elements(batch: int, height: int, width: int, folded_levels: int = 0) -> int:
+    """Elements of the largest nearest up-sampling output of the decoder for a (height, width)
+    image, the top `folded_levels` decoder blocks left out (tile folds their up-sampling into
+    a transposed convolution). Decoder block k doubles its input, whose channels are the
+    block before's output (the encoder's deepest features for k = 0), to 1/2^(4-k) of the
+    padded image: the last block's is DECODER_CHANNELS[-2] x the whole padded image."""
+    rows, cols = (side + pad for side, pad in zip((height, width), padding_for(height, width)))
+    inputs = (ENCODER_CHANNELS, *DECODER_CHANNELS[:-1])
+    blocks = len(DECODER_CHANNELS)
+    return max((batch * inputs[k] * (rows >> (blocks - 1 - k)) * (cols >> (blocks - 1 - k))
+                for k in range(blocks - folded_levels)), default=0)
+
+
 class ContrastUNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = smp.Unet(ENCODER, encoder_weights=None, in_channels=1, classes=1,
-                            activation="sigmoid")
+                            activation="sigmoid", decoder_channels=DECODER_CHANNELS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         height, width = x.shape[-2:]

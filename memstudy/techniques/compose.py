@@ -26,8 +26,10 @@ from memstudy import policy
 from memstudy.config import RunConfig
 from memstudy.errors import ConfigError
 from memstudy.models import build_unet
+from memstudy.models.unet import upsampled_elements
 from memstudy.quality import MSSSIMLoss, check_image_size
 from memstudy.runtime import Runtime
+from memstudy.sizes import size_hw
 from memstudy.techniques import (get_technique, list_techniques, parse_techniques,
                                  resolve_run_settings)
 from memstudy.techniques.base import Build, Plan, Stage
@@ -68,7 +70,33 @@ def make_plan(config: RunConfig, *, device: torch.device | None = None,
         get_technique(name).check(options, plan)
     check_declared(plan)
     policy.check_plan(plan)  # train.lr_schedule / lr_scaling / clip_norm against the techniques
+    check_upsampling(plan)
     return plan
+
+
+NHWC_UPSAMPLE_MAX = 2**31 - 1  # elements PyTorch's channels_last nearest up-sampling backs through
+
+
+def check_upsampling(plan: Plan) -> None:
+    """PyTorch's CUDA kernel for the backward of nearest up-sampling in channels_last refuses
+    gradients of INT_MAX elements or more (at 8192 x 8192 the decoder's last up-sampling, 32
+    channels, is 2^31: the tuned amp:bf16 step failed in its first backward, H100, 2026-11-26,
+    benchmarks/results/h100/tile-fast/native-8192-8gib-tuned.md). Refused here, before a
+    model is built, instead of after a whole forward."""
+    train = plan.config.train
+    hw = size_hw(train.image_size)
+    if plan.device.type != "cuda" or not train.channels_last or hw is None:
+        return
+    folded = max((plan.techniques[name].value("folded_upsampling_levels", options)
+                  for name, options in plan.chosen.items()), default=0)
+    elements = upsampled_elements(train.batch_size, *hw, folded)
+    if elements > NHWC_UPSAMPLE_MAX:
+        raise ConfigError(
+            f"train.image_size {train.image_size} at train.batch_size {train.batch_size}: the "
+            f"decoder's largest nearest up-sampling makes {elements:,} elements, and PyTorch's "
+            f"channels_last up-sampling backward takes at most {NHWC_UPSAMPLE_MAX:,} (it would "
+            "fail in the first backward); add tile (its folded up-convolution does not "
+            "up-sample the tiled levels) or use a smaller train.image_size or train.batch_size")
 
 
 def check_config(config: RunConfig) -> None:

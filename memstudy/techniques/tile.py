@@ -194,4 +194,4 @@ def _graph_rows(graphs: TileGraphs, rank: int) -> list[tuple[int, int, str, floa
 register(Technique("tile", Stage.ACTIVATION, Options,
                    "exact row-strip tiling of the top U-Net levels (BatchNorm statistics of the "
                    "whole image): boundaries only in memory, tiles recomputed in backward",
-                   apply, check))
+                   apply, check, folded_upsampling_levels=lambda opts: opts.levels))
