@@ -72,6 +72,7 @@ class MaxresResult:
     probes: list[Probe] = field(default_factory=list)
     error: str | None = None
     max_size: int | None = None  # the search's upper end: found_px == max_size is a lower bound
+    ceiling: int | None = None  # where a kernel limit, not memory, lowered that end (px)
 
     def at_found(self) -> Probe | None:
         return next((p for p in self.probes if p.size == self.found_px and p.status == "ok"), None)
@@ -236,7 +237,11 @@ def maxres(template: RunConfig, techniques: list[str], db_path: str | Path,
         start = result.predicted_px or max([p.size for p in usable] or [MIN_PX])
         progress(f"  {result.name}: predicted {result.predicted_px} px; searching from {start} px")
         result.max_size = max_size  # a probed size itself, multiple of the step or not
-        result.found_px = search(prober.fits, start, MIN_PX, max_size, step)
+        ceiling = kernel_ceiling(template, techniques)
+        if ceiling is not None and ceiling < max_size:  # no probe past it: it could not run
+            result.max_size = result.ceiling = ceiling
+        result.found_px = search(prober.fits, min(start, result.max_size), MIN_PX,
+                                 result.max_size, step)
     except ProbeError as exc:
         result.error = str(exc)
     result.probes = prober.probes
@@ -301,7 +306,18 @@ def check_sets(template: RunConfig, technique_sets: list[list[str]], size: int) 
         make_plan(probe_config(prepare_template(template), techniques, size))
 
 
+def kernel_ceiling(template: RunConfig, techniques: list[str]) -> int | None:
+    """The largest square the set may train at all, whatever the memory: PyTorch's channels_last
+    up-sampling backward (compose.upsampling_ceiling); None without such a limit."""
+    from memstudy.techniques.compose import make_plan, upsampling_ceiling
+
+    return upsampling_ceiling(make_plan(probe_config(template, techniques, MIN_PX)))
+
+
 def _note(r: MaxresResult) -> str:
+    if r.found_px is not None and r.found_px == r.ceiling:
+        return (f"reached {r.ceiling} px, the largest PyTorch's channels_last up-sampling "
+                "backward allows this set (add tile)")
     if r.found_px is not None and r.found_px == r.max_size:
         return "reached the largest size probed (raise --max-size)"
     return "does not train at the smallest size" if r.found_px is None else ""

@@ -51,3 +51,32 @@ def test_below_the_limit_tiled_or_contiguous_runs_are_planned():
     _plan(8160, ["amp:bf16"])  # 32 x 8160^2 < 2^31
     _plan(8192, ["amp:bf16", "checkpoint", "offload:which=boundaries", "tile:16:levels=3"])
     _plan(8192, ["amp:bf16"], channels_last=False)  # the NHWC kernel is not used
+
+
+def test_the_ceiling_is_the_largest_square_the_check_accepts():
+    from memstudy.techniques.compose import upsampling_ceiling
+
+    untiled = _plan(256, ["amp:bf16"])
+    assert upsampling_ceiling(untiled) == 8160  # 8161 pads to 8192: 32 x 8192^2 = 2^31
+    _plan(8160, ["amp:bf16"])
+    with pytest.raises(ConfigError):
+        _plan(8161, ["amp:bf16"])
+    assert upsampling_ceiling(_plan(256, ["amp:bf16"], batch=2)) < 8160
+    tiled = _plan(256, ["checkpoint", "tile:4:levels=2"])  # block 2 (128 ch at 1/4) is next
+    assert upsampling_ceiling(tiled) > 16000
+    assert upsampling_ceiling(_plan(256, ["amp:bf16"], channels_last=False)) is None
+
+
+def test_maxres_does_not_probe_past_the_ceiling(make_config, tmp_path, monkeypatch):
+    """A set whose search would reach the kernel limit stops there and says so (on the CPU the
+    limit does not apply: here it is set to 256 px)."""
+    from memstudy import maxres as maxres_module
+
+    monkeypatch.setattr(maxres_module, "kernel_ceiling", lambda template, techniques: 256)
+    cfg = make_config(192, max_steps=2)
+    cfg.budget = "8GiB"  # memory never binds at these sizes
+    result = maxres_module.maxres(cfg, [], tmp_path / "r.sqlite", [192, 256], max_size=1024,
+                                  isolate=False)
+    assert result.error is None and result.found_px == 256 and result.ceiling == 256
+    assert max(p.size for p in result.probes) == 256
+    assert "channels_last up-sampling" in maxres_module._note(result)

@@ -77,6 +77,26 @@ def make_plan(config: RunConfig, *, device: torch.device | None = None,
 NHWC_UPSAMPLE_MAX = 2**31 - 1  # elements PyTorch's channels_last nearest up-sampling backs through
 
 
+def upsampling_ceiling(plan: Plan) -> int | None:
+    """The largest square side (px) `check_upsampling` lets this plan's technique set train at
+    its batch size; None where it sets no limit (not CUDA, or not channels_last)."""
+    train = plan.config.train
+    if plan.device.type != "cuda" or not train.channels_last:
+        return None
+    folded = _folded_levels(plan)
+    lo, hi = 0, 1 << 17  # lo fits (no image), hi does not: far past any card's memory
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if upsampled_elements(train.batch_size, mid, mid, folded) \
+            <= NHWC_UPSAMPLE_MAX else (lo, mid)
+    return lo
+
+
+def _folded_levels(plan: Plan) -> int:
+    return max((plan.techniques[name].value("folded_upsampling_levels", options)
+                for name, options in plan.chosen.items()), default=0)
+
+
 def check_upsampling(plan: Plan) -> None:
     """PyTorch's CUDA kernel for the backward of nearest up-sampling in channels_last refuses
     gradients of INT_MAX elements or more (at 8192 x 8192 the decoder's last up-sampling, 32
@@ -87,9 +107,7 @@ def check_upsampling(plan: Plan) -> None:
     hw = size_hw(train.image_size)
     if plan.device.type != "cuda" or not train.channels_last or hw is None:
         return
-    folded = max((plan.techniques[name].value("folded_upsampling_levels", options)
-                  for name, options in plan.chosen.items()), default=0)
-    elements = upsampled_elements(train.batch_size, *hw, folded)
+    elements = upsampled_elements(train.batch_size, *hw, _folded_levels(plan))
     if elements > NHWC_UPSAMPLE_MAX:
         raise ConfigError(
             f"train.image_size {train.image_size} at train.batch_size {train.batch_size}: the "
