@@ -80,3 +80,11 @@ def test_maxres_does_not_probe_past_the_ceiling(make_config, tmp_path, monkeypat
     assert result.error is None and result.found_px == 256 and result.ceiling == 256
     assert max(p.size for p in result.probes) == 256
     assert "channels_last up-sampling" in maxres_module._note(result)
+
+
+def test_a_sharded_batch_counts_one_ranks_images():
+    cfg = small_config(5888, ["amp:bf16", "dp"], device="cuda", batch_size=2, warmup_steps=2)
+    cfg.world_size = 2
+    make_plan(cfg, device=torch.device("cuda"), n_gpus=2)  # 1 image per rank: 32 x 5888^2
+    with pytest.raises(ConfigError, match="train.batch_size"):
+        _plan(5888, ["amp:bf16"], batch=2)  # the same batch in one process

@@ -87,9 +87,17 @@ def upsampling_ceiling(plan: Plan) -> int | None:
     lo, hi = 0, 1 << 17  # lo fits (no image), hi does not: far past any card's memory
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if upsampled_elements(train.batch_size, mid, mid, folded) \
+        lo, hi = (mid, hi) if upsampled_elements(_images_per_forward(plan), mid, mid, folded) \
             <= NHWC_UPSAMPLE_MAX else (lo, mid)
     return lo
+
+
+def _images_per_forward(plan: Plan) -> int:
+    """Images one process's forward holds: a rank's share where the batch is sharded."""
+    train = plan.config.train
+    if plan.declaring("shards_batch"):
+        return max(1, train.batch_size // max(1, plan.config.world_size))
+    return train.batch_size
 
 
 def _folded_levels(plan: Plan) -> int:
@@ -107,7 +115,7 @@ def check_upsampling(plan: Plan) -> None:
     hw = size_hw(train.image_size)
     if plan.device.type != "cuda" or not train.channels_last or hw is None:
         return
-    elements = upsampled_elements(train.batch_size, *hw, _folded_levels(plan))
+    elements = upsampled_elements(_images_per_forward(plan), *hw, _folded_levels(plan))
     if elements > NHWC_UPSAMPLE_MAX:
         raise ConfigError(
             f"train.image_size {train.image_size} at train.batch_size {train.batch_size}: the "
