@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -252,8 +253,6 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
 def _timed_retries(rdb, run_id: int) -> float | None:
     """Allocator retries during the timed steps (series `alloc_retries` after the warm-up
     steps); None for runs recorded before the series existed."""
-    import json
-
     rows = list(rdb.series(run_id, "alloc_retries"))
     if not rows:
         return None

@@ -64,26 +64,14 @@ def read_by_rows(obj: Any) -> bool:
     return bool(getattr(obj, ROWS, False))
 
 
-class RowArrivals:
-    """Tensors handed out while their rows are still arriving, and the readers that wait.
-
-    A tile sweep's backward reads its inputs strip by strip, top to bottom, so the rows below
-    the strip it works on can still be on their way: offload brings such a boundary back from
-    the host in row chunks on a side stream (`arriving`: an object with `wait(lo, hi)` and
-    `wait_all()` that make the current stream wait for those rows' chunks), and the sweep waits
-    for each strip's rows before it reads them (`await_rows`). Only an unpack inside `by_rows()`
-    (the sweeps' backward) may take a tensor whose rows are still arriving; every other unpack
-    waits for all of it (offload calls `wait_all`), since autograd's own nodes read whole
-    tensors. Entries are keyed by the storage's address: autograd may hand the unpacking
-    Function a new tensor object sharing the unpacked one's storage. One per process (`ROWS_IN`),
-    shared by the offloader and the sweeps as `mark_boundary` marks are."""
+class Nesting:
+    """How many of some context are open now (they may nest): `entered()` opens one."""
 
     def __init__(self):
         self.depth = 0
-        self._pending: dict[int, Any] = {}
 
     @contextlib.contextmanager
-    def by_rows(self):
+    def entered(self):
         self.depth += 1
         try:
             yield
@@ -91,9 +79,36 @@ class RowArrivals:
             self.depth -= 1
 
     @property
+    def active(self) -> bool:
+        return self.depth > 0
+
+
+class RowArrivals:
+    """Tensors handed out while their rows are still arriving, and the readers that wait.
+
+    A tile sweep's backward reads its inputs strip by strip, top to bottom, so the rows below
+    the strip it works on can still be on their way: offload brings such a boundary back from
+    the host in row chunks on a side stream (`arriving`: an object whose `wait(lo, hi)` makes
+    the current stream wait for those rows' chunks, `all_waited` says whether any are left and
+    `done()` whether all have landed), and the sweep waits for each strip's rows before it
+    reads them (`await_rows`). Only an unpack inside `by_rows()` (the sweeps' backward) may take
+    a tensor whose rows are still arriving; every other unpack waits for all of its rows
+    (offload's `await_rows` over the whole height), since autograd's own nodes read whole
+    tensors. Entries are keyed by the storage's address: autograd may hand the unpacking
+    Function a new tensor object sharing the unpacked one's storage. One per process (`ROWS_IN`),
+    shared by the offloader and the sweeps as `mark_boundary` marks are."""
+
+    def __init__(self):
+        self.readers = Nesting()  # unpacks by row readers running now (`by_rows`)
+        self._pending: dict[int, Any] = {}
+
+    def by_rows(self) -> contextlib.AbstractContextManager:
+        return self.readers.entered()
+
+    @property
     def wanted(self) -> bool:
         """The unpack happening now is a row reader's (inside `by_rows`)."""
-        return self.depth > 0
+        return self.readers.active
 
     def arriving(self, t: torch.Tensor, rows: Any) -> None:
         # entries whose copies have all landed need no wait any more (rows.done: a query)
@@ -104,34 +119,25 @@ class RowArrivals:
     def await_rows(self, t: torch.Tensor, lo: int, hi: int) -> None:
         """Make the current stream wait until rows lo:hi (dim -2) of `t` have arrived."""
         if self._pending:
-            rows = self._pending.get(t.untyped_storage().data_ptr())
+            key = t.untyped_storage().data_ptr()
+            rows = self._pending.get(key)
             if rows is not None:
                 rows.wait(lo, hi)
+                if rows.all_waited:  # nothing left to wait for: later strips skip the lookup
+                    del self._pending[key]
 
 
 ROWS_IN = RowArrivals()
 
 
-class CheckpointRegions:
+class CheckpointRegions(Nesting):
     """The checkpoint regions running now (their forward, or their recomputation), counted by
     `checkpoint` and read by ops that spend extra work to save less (compress's ReLU sign
     masks): inside a region what they save is discarded in forward and lives only during the
     region's own backward when recomputed, so they skip the work. One per run (the Runtime's)."""
 
-    def __init__(self):
-        self.depth = 0
-
-    @contextlib.contextmanager
-    def running(self):
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-
-    @property
-    def active(self) -> bool:
-        return self.depth > 0
+    def running(self) -> contextlib.AbstractContextManager:
+        return self.entered()
 
 
 @dataclass

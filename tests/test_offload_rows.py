@@ -78,14 +78,16 @@ def test_a_strip_waits_for_the_last_chunk_it_reads_once(stream):
     rows.wait(12, 30)
     assert stream.waited == ["c1", "c3"]
     assert needs.needed == ["c1", "c3"] and needs.covered == ["c0", "c2"]
-    rows.wait_all()  # nothing left to wait for
+    assert rows.all_waited
+    rows.wait(0, 32)  # nothing left to wait for
     assert stream.waited == ["c1", "c3"]
 
 
-def test_wait_all_waits_for_the_last_chunk(stream):
+def test_waiting_for_the_whole_height_waits_for_the_last_chunk(stream):
     rows, needs = _arriving([8, 16])
-    rows.wait_all()
-    assert stream.waited == ["c1"] and needs.covered == ["c0"]
+    assert not rows.all_waited
+    rows.wait(0, 16)
+    assert stream.waited == ["c1"] and needs.covered == ["c0"] and rows.all_waited
 
 
 def test_the_registry_finds_a_tensor_by_its_storage_and_forgets_landed_copies(stream):
@@ -105,6 +107,16 @@ def test_the_registry_finds_a_tensor_by_its_storage_and_forgets_landed_copies(st
     assert len(arrivals._pending) == 1  # both landed copies forgotten
 
 
+def test_a_tensor_whose_last_chunk_was_waited_for_leaves_the_registry(stream):
+    arrivals = RowArrivals()
+    t = torch.zeros(1, 1, 32, 4)
+    arrivals.arriving(t, _arriving([16, 32], done=False)[0])
+    arrivals.await_rows(t, 0, 16)
+    assert len(arrivals._pending) == 1  # rows 16:32 still to come
+    arrivals.await_rows(t, 16, 32)
+    assert not arrivals._pending and stream.waited == ["c0", "c1"]
+
+
 def test_the_sweeps_backward_reads_its_inputs_by_rows_strip_by_strip_top_to_bottom(monkeypatch):
     """A tiled U-Net on the CPU under a saved-tensor hook pair standing in for offload: every
     tile region input is marked to be read by rows, is unpacked by the sweeps' backward inside
@@ -121,6 +133,8 @@ def test_the_sweeps_backward_reads_its_inputs_by_rows_strip_by_strip_top_to_bott
 
         def done(self):
             return False
+
+        all_waited = False  # kept registered: every sweep's waits are recorded
 
     marked = []
 

@@ -128,6 +128,20 @@ def test_gpu_prefetch_hides_the_copies_back(make_config, prefetch, row_chunks):
         assert stats["h2d_exposed_ms"] == pytest.approx(stats["h2d_copy_ms"]), stats
 
 
+def _float64_step(make_config, techniques: list[str], hw: tuple[int, int],
+                  memory_format=torch.contiguous_format):
+    """The built pipeline of `techniques` at hw (channels_last weights, no autotuning), its model
+    in float64, and a seeded float64 input and target in `memory_format`."""
+    cfg = make_config(hw[0], techniques, device="cuda", channels_last=True,
+                      cudnn_benchmark=False)
+    cfg.meter.tensor = "off"
+    build = build_pipeline(make_plan(cfg))
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.rand(1, 1, *hw, generator=g, dtype=torch.float64).cuda()
+            .to(memory_format=memory_format) for _ in range(2))
+    return build, build.model.double(), x, y
+
+
 @pytest.mark.parametrize("tile", ["tile:4:keep=all", "tile:3:levels=3:keep=conv1:layer1=convs"])
 def test_gpu_boundaries_brought_back_by_rows_give_the_same_gradients(make_config, tile):
     """float64, the same step with the tile region inputs brought back in 16 row chunks (each
@@ -135,15 +149,9 @@ def test_gpu_boundaries_brought_back_by_rows_give_the_same_gradients(make_config
     bytes arrive; a tile that read rows before they landed would be off by far more)."""
     def grads(row_chunks):
         techniques = ["checkpoint", f"offload:which=boundaries:row_chunks={row_chunks}", tile]
-        cfg = make_config(320, techniques, device="cuda", channels_last=True,
-                          cudnn_benchmark=False)
-        cfg.meter.tensor = "off"
-        build = build_pipeline(make_plan(cfg))
-        model = build.model.double()
-        g = torch.Generator().manual_seed(0)
-        x, y = (torch.rand(1, 1, 320, 288, generator=g, dtype=torch.float64).cuda()
-                .to(memory_format=torch.channels_last) for _ in range(2))
-        with build.runtime.forward_context():
+        build, model, x, y = _float64_step(make_config, techniques, (320, 288),
+                                           torch.channels_last)
+        with build.runtime.forward_context():  # offload's saved-tensor hooks
             loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         torch.cuda.synchronize()
@@ -159,14 +167,7 @@ def test_gpu_compiled_untiled_levels_equal_the_eager_step(make_config, tile):
     float64 against the same set without compile: every gradient within 1e-9 relative (a
     correct graph differs by rounding only; bf16 would hide a wrong one in its noise)."""
     def grads(techniques):
-        cfg = make_config(256, techniques, device="cuda", channels_last=True,
-                          cudnn_benchmark=False)
-        cfg.meter.tensor = "off"
-        build = build_pipeline(make_plan(cfg))
-        model = build.model.double()
-        g = torch.Generator().manual_seed(0)
-        x, y = (torch.rand(1, 1, 256, 256, generator=g, dtype=torch.float64).cuda()
-                for _ in range(2))
+        _, model, x, y = _float64_step(make_config, techniques, (256, 256))
         ((model(x) - y) ** 2).mean().backward()
         return {n: p.grad.detach() for n, p in model.named_parameters()}
 

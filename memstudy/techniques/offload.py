@@ -269,8 +269,8 @@ class Offloader:
 class ArrivingRows:
     """The row chunks of one copy back, as they land: `wait(lo, hi)` makes the current stream
     wait for the chunks that hold rows lo:hi (chunks land in order: waiting for the last of
-    them covers the ones above), `wait_all()` for every chunk; `done()` says (without waiting)
-    whether all have landed. Registered with runtime.ROWS_IN."""
+    them covers the ones above); `all_waited` says whether the last chunk is waited for, `done()`
+    (without waiting) whether all have landed. Registered with runtime.ROWS_IN."""
 
     def __init__(self, ends: list[int], copied: list, copy_times: "CopyTimes",
                  device: torch.device):
@@ -288,8 +288,9 @@ class ArrivingRows:
         stream.wait_event(self.copied[last])
         self.waited = last
 
-    def wait_all(self) -> None:
-        self.wait(0, self.ends[-1])
+    @property
+    def all_waited(self) -> bool:
+        return self.waited == len(self.ends) - 1
 
     def done(self) -> bool:
         return self.copied[-1].query()
