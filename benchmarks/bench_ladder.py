@@ -64,7 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", default="4188", help="native: image size")
     p.add_argument("--budget", default="4GiB", help="native: budget of the tiled run")
     p.add_argument("--tiled-set", default=NATIVE_SET,
-                   help="native: techniques of the tiled run(s) under --budget, ';'-separated")
+                   help="native: techniques of the tiled run(s) under --budget, ';'-separated; "
+                        "a run's own settings follow its set, '|'-separated "
+                        "(SET|train.loss_chunk_rows=1024)")
     p.add_argument("--tiled-settings", default="",
                    help="native: KEY=VALUE run settings for the tiled run(s), ';'-separated "
                         "(e.g. train.loss_chunk_rows=1024); named in the run's label")
@@ -155,9 +157,13 @@ TUNED_SETTINGS = ("train.loss_chunk_rows=0",)
 def native_runs(args: argparse.Namespace) -> list[tuple[str, str, str | None, tuple[str, ...]]]:
     """(label, techniques, budget, extra settings) of the runs: the tiled set(s) under the
     budget, the free sets, then the references amp:bf16 (time) and float32 (quality)."""
-    tiled = tuple(_sets(args.tiled_settings))
-    named = "".join(f", {t}" for t in tiled)
-    runs = [(f"{s} under {args.budget}{named}", s, args.budget, tiled) for s in _sets(args.tiled_set)]
+    common = tuple(_sets(args.tiled_settings))
+    runs = []
+    for entry in _sets(args.tiled_set):  # "SET" or "SET|KEY=VALUE|..." (settings of that run)
+        techniques, *own = entry.split("|")
+        settings = common + tuple(own)
+        named = "".join(f", {t}" for t in settings)
+        runs.append((f"{techniques} under {args.budget}{named}", techniques, args.budget, settings))
     runs += [(f"{s} unconstrained", s, None, ()) for s in _sets(args.free_sets)]
     if args.no_references:
         return runs

@@ -61,6 +61,17 @@ def test_native_tiled_settings_reach_the_tiled_runs_only_and_their_label():
     assert all("train.loss_chunk_rows=1024" not in r[3] for r in runs if r[2] is None)
 
 
+def test_a_tiled_sets_own_settings_reach_that_run_only():
+    args = bench_ladder.parse_args(["--part", "native", "--out", "x", "--no-float32",
+                                    "--tiled-set", "amp:bf16,tile:8;amp:bf16,tile:8|"
+                                    "train.loss_chunk_rows=1024|train.seed=1"])
+    tiled = [r for r in bench_ladder.native_runs(args) if r[2] == "4GiB"]
+    assert [r[1] for r in tiled] == ["amp:bf16,tile:8", "amp:bf16,tile:8"]
+    assert [r[3] for r in tiled] == [(), ("train.loss_chunk_rows=1024", "train.seed=1")]
+    assert tiled[1][0].endswith(", train.loss_chunk_rows=1024, train.seed=1")
+    assert tiled[0][0] == "amp:bf16,tile:8 under 4GiB"
+
+
 def test_native_retries_split_the_timed_steps_from_the_warm_up(tmp_path):
     db = ResultsDB(tmp_path / "native.sqlite")
     config = {"train": {"image_size": 4188, "batch_size": 1, "warmup_steps": 2}}

@@ -67,7 +67,8 @@ def test_selective_checkpoint_recomputes_no_convolution(plain):
 # convolution (the image needs no gradient: weight gradient only) also runs for block 3's skip.
 # keep=all: the stem (K=1) runs conv1 in 2 sweeps each way, block 3's region once more; blocks
 # 3 and 4's second convolutions sit in regions with K=1 (2 sweeps each way); keep=bn: every
-# region has K=0 (one sweep each way: one recomputation, gradients as plain).
+# region has K=0 (one sweep each way: one recomputation, gradients as plain); keep=half: as
+# bn, but block 4's second convolution in the top region with K=1, as with keep=all.
 TILED = {"conv1": "ContrastUNet.net.encoder.conv1",
          "block3.conv1": "ContrastUNet.net.decoder.blocks.3.conv1",
          "block3.conv2": "ContrastUNet.net.decoder.blocks.3.conv2",
@@ -79,6 +80,8 @@ EXTRA_FORWARDS = {
             "block4.conv2": 5, "head": 1},
     "bn": {"conv1": 4, "block3.conv1": 1, "block3.conv2": 1, "block4.conv1": 1,
            "block4.conv2": 1, "head": 1},
+    "half": {"conv1": 4, "block3.conv1": 1, "block3.conv2": 1, "block4.conv1": 1,
+             "block4.conv2": 5, "head": 1},
 }
 
 

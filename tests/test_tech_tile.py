@@ -235,7 +235,9 @@ def test_keep_conv1_runs_block3_conv1_once_per_sweep(keep, calls, monkeypatch):
     ("conv1", {"stem": 1, "block3.conv1": 0, "top": 3}),
     ("all", {"stem": 1, "block3.conv1": 0, "block4.conv1": 1, "top": 1}),
     ("bn", {"stem.conv1": 0, "stem": 0, "block3.conv1": 0, "block3.conv2": 0, "block4.conv1": 0,
-            "block4.conv2": 0, "top": 0})])
+            "block4.conv2": 0, "top": 0}),
+    ("half", {"stem.conv1": 0, "stem": 0, "block3.conv1": 0, "block3.conv2": 0,
+              "block4.conv1": 0, "top": 1})])
 def test_statistics_of_a_kept_tensor_come_from_the_region_that_writes_it(keep, own_norms):
     """A region that stops before a BatchNorm returns its statistics from the sweep that writes
     its output, so the next region computes no statistics sweep for it: a region's own
@@ -275,7 +277,7 @@ def test_keep_bn_runs_every_tiled_convolution_once_per_tile_each_way(monkeypatch
     assert counts["all"]["conv1"] == 12 and counts["all"]["block4.conv2"] == 8, counts["all"]
 
 
-@pytest.mark.parametrize("keep", ["all", "bn"])
+@pytest.mark.parametrize("keep", ["all", "half", "bn"])
 def test_boundary_offload_moves_every_region_input(keep):
     """offload:which=boundaries moves what tile keeps between regions, not only checkpoint's
     region inputs: with keep=all and no checkpoint, the image and every kept first-convolution
@@ -299,8 +301,10 @@ def test_boundary_offload_moves_every_region_input(keep):
     z3, z4 = 32 * 64 * 64 * 4, 16 * 128 * 128 * 4  # 32 ch at half, 16 ch at full resolution
     # the image, z3, z4 and the decoder's block-3 input (64 ch, 1/4 res) each once
     want = x.nbytes + z3 + z4 + 64 * 32 * 32 * 4
-    if keep == "bn":  # the stem's output (64 ch at half resolution), y3 and y4 too
-        want += 64 * 64 * 64 * 4 + z3 + z4
+    if keep in ("half", "bn"):  # the stem's output (64 ch at half resolution) and y3 too
+        want += 64 * 64 * 64 * 4 + z3
+    if keep == "bn":  # and y4
+        want += z4
     assert offloaders[1].offloaded_bytes == want, (offloaders[1].offloaded_bytes, want)
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 

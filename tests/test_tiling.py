@@ -88,12 +88,14 @@ def assert_exact(tiled: dict, plain: dict, tol: float) -> None:
     (192, 160, {"levels": 3, "rows": 64, "keep": "conv1"}, 1),  # blocks 2 and 3 conv1 kept
     (128, 160, {"levels": 2, "tiles": 3, "keep": "all"}, 1),  # blocks 3 and 4 conv1 kept
     (128, 160, {"levels": 2, "tiles": 3, "keep": "bn"}, 1),  # every BatchNorm input kept
+    (128, 160, {"levels": 2, "tiles": 3, "keep": "half"}, 2),  # ... but block 4's conv2 output
     (128, 160, {"levels": 3, "tiles": 3, "keep": "bn"}, 2),  # ... and layer1's sweeps
     (128, 160, {"levels": 3, "tiles": 3, "layer1": "blocks"}, 2),  # a region per BasicBlock
     (128, 160, {"levels": 3, "tiles": 5, "keep": "all", "layer1": "convs"}, 1),  # + a<j> kept
 ], ids=["levels2-3tiles", "levels2-rows80-odd-size-batch2", "levels1-5tiles",
         "levels2-keep-conv1", "levels3-3tiles", "levels3-rows64-keep-conv1", "levels2-keep-all",
-        "levels2-keep-bn", "levels3-keep-bn-batch2", "levels3-layer1-blocks-batch2",
+        "levels2-keep-bn", "levels2-keep-half-batch2", "levels3-keep-bn-batch2",
+        "levels3-layer1-blocks-batch2",
         "levels3-layer1-convs-5tiles"])
 def test_tiled_step_equals_untiled_float64(height, width, tiling, batch):
     plain = untiled_step(height, width, torch.float64, batch)
@@ -106,9 +108,10 @@ def test_tiled_step_equals_untiled_float64(height, width, tiling, batch):
     (128, 160, {"levels": 3, "tiles": 3}, 1),
     (128, 160, {"levels": 2, "tiles": 3, "keep": "all"}, 1),
     (128, 160, {"levels": 2, "tiles": 3, "keep": "bn"}, 1),
+    (128, 160, {"levels": 2, "tiles": 3, "keep": "half"}, 1),
     (128, 160, {"levels": 3, "tiles": 3, "layer1": "convs"}, 1),
 ], ids=["levels2-rows80-odd-size-batch2", "levels3-3tiles", "levels2-keep-all", "levels2-keep-bn",
-        "levels3-layer1-convs"])
+        "levels2-keep-half", "levels3-layer1-convs"])
 def test_graphed_tiles_equal_untiled_float64(height, width, tiling, batch):
     """tile:graphs: the tile bodies replayed from captures (emulated on the CPU: each replay
     reads only the staging buffers, as a CUDA graph does) give the untiled step's values."""

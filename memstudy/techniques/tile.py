@@ -34,7 +34,9 @@ Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`, `tile:16:keep=conv1`, `ti
   only (decoder block 4 and head); 3 = also 1/4 resolution (layer1, decoder block 2);
 - `keep`: `none` (one decoder region), `conv1` (also keep each tiled skip block's first
   convolution output: fewer sweeps, one more tensor per such block), `all` (every tiled
-  decoder block's first convolution output, block 4's at full resolution too) or `bn` (every
+  decoder block's first convolution output, block 4's at full resolution too), `half` (every
+  BatchNorm's input but block 4's second convolution output: one sweep per region each way
+  except the full-resolution top's two, for the backward peak of `all`) or `bn` (every
   BatchNorm's input, the stem's convolution output included: one sweep per region each way,
   the most kept tensors);
 - `layer1` (levels=3): `whole` (layer1 inside the stem's region, whose 7 BatchNorms cost 8
@@ -83,7 +85,8 @@ class Options:
                 "3 = full + half + quarter"})
     keep: str = field(default="conv1", metadata={
         "help": "kept boundaries between regions: none, conv1 (each tiled skip block's first "
-                "convolution output), all (every tiled decoder block's) or bn (every "
+                "convolution output), all (every tiled decoder block's), half (every "
+                "BatchNorm's input but the full-resolution block's second) or bn (every "
                 "BatchNorm's input: one sweep per region): fewer recompute sweeps, more memory"})
     graphs: bool = field(default=False, metadata={
         "help": "replay each tile body as a CUDA graph, captured once per region, sweep and "

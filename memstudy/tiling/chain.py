@@ -150,7 +150,7 @@ def region_specs(levels: int, keep: str, layer1: str = "whole") -> list[RegionSp
 
 
 def _encoder_specs(levels: int, keep: str, layer1: str) -> list[RegionSpec]:
-    cuts = ["s"] if keep == "bn" else []
+    cuts = ["s"] if keep in ("bn", "half") else []
     if levels >= 3 and layer1 != "whole":
         for j in range(LAYER1_BLOCKS):
             cuts += [f"p{j}", f"a{j}"] if layer1 == "convs" else [f"p{j}"]
@@ -174,12 +174,14 @@ def _encoder_name(start: str, stop: str | None) -> str:
 
 def _cuts(levels: int, keep: str) -> list[str]:
     """The kept decoder tensors: z<i> of no block (none), of the skip blocks (conv1), of every
-    tiled block (all); every BatchNorm input, y<i> too (bn)."""
+    tiled block (all); every BatchNorm input, y<i> too (bn), or all but the full-resolution
+    block's y (half: that one would add a full-resolution tensor to the backward's peak, where
+    the others replace one of their own size)."""
     cuts = []
     for block in range(LAST_BLOCK + 1 - levels, LAST_BLOCK + 1):
-        if keep in ("all", "bn") or (keep == "conv1" and block in SKIPS):
+        if keep in ("all", "bn", "half") or (keep == "conv1" and block in SKIPS):
             cuts.append(f"z{block}")
-        if keep == "bn":
+        if keep == "bn" or (keep == "half" and block < LAST_BLOCK):
             cuts.append(f"y{block}")
     return cuts
 

@@ -14,8 +14,9 @@ from memstudy.tiling.geometry import halo
 LEVELS = (1, 2, 3)  # tiled levels implemented
 # kept boundaries besides the regions' inputs and output: the first convolution output (before
 # its BatchNorm) of no decoder block, of those with a skip, or of every tiled decoder block; or
-# every BatchNorm's input (the stem's convolution output and both of each block's convolutions)
-KEEP = ("none", "conv1", "all", "bn")
+# every BatchNorm's input (the stem's convolution output and both of each block's convolutions);
+# or every one but the full-resolution block's second convolution output (chain._cuts)
+KEEP = ("none", "conv1", "all", "half", "bn")
 VALIDATION_LEVELS = 3  # what the tiled validation forward tiles (1/4 res included: 8192 px)
 NETWORK_LEVELS = 6  # full resolution and the five down-sampled grids (1/2 .. 1/32)
 

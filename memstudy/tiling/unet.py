@@ -12,8 +12,8 @@ regions is 1/2**levels of the input):
 one region "top" (fewest full-size tensors; a region with K BatchNorms costs K + 1 sweeps),
 "conv1" also keeps each skip block's first convolution output before its BatchNorm (one more
 tensor of that level, far fewer recomputed convolutions: the concatenating convolutions are the
-tiled levels' most expensive ones). memstudy/tiling/chain.py writes the regions once, for the
-tile bodies here and for their halos.
+tiled levels' most expensive ones); "all", "half" and "bn" keep more (docs/techniques/tile.md).
+memstudy/tiling/chain.py writes the regions once, for the tile bodies here and for their halos.
 
 Everything else (layer1 or layer2 down, the untiled decoder blocks) runs as usual, through the
 modules' own forward, so checkpoint / invertible / offload / amp act on it unchanged. The walks
