@@ -31,6 +31,7 @@ def test_negative_min_bytes_is_refused():
 @pytest.mark.parametrize("args,option", [
     (["prefetch=-1"], "prefetch"),
     (["row_chunks=-1"], "row_chunks"),
+    (["hold=-1"], "hold"),
     (["prefetch=2", "pin_memory=false"], "pin_memory"),  # pageable copies cannot overlap
     (["which=boundaries"], "which=boundaries"),  # nothing marks boundaries without checkpoint
 ])
@@ -99,6 +100,35 @@ def test_prefetch_keeps_gradients_identical_and_bounds_what_is_in_flight(model_a
     none = Offloader(CPU, CPU, min_bytes=16 * 1024)
     hooked_grads(model, x, (none.pack, none.unpack))
     assert none.stats["prefetched"] == 0 and none.stats["max_in_flight"] == 0
+
+
+def test_hold_keeps_the_last_saved_tensors_on_the_device_from_the_second_step(
+        model_and_plain_grads):
+    """hold=N: from the second forward on, the last N distinct tensors a forward would offload
+    stay where they are (backward needs them first); gradients are unchanged."""
+    model, x, plain, _ = model_and_plain_grads
+    off = Offloader(CPU, CPU, min_bytes=16 * 1024, prefetch=1, hold=2)
+    sizes = []  # per step: the sizes of the tensors offloaded, in pack order
+    copy_to_host = off._copy_to_host
+    off._copy_to_host = lambda t: sizes[-1].append(t.nbytes) or copy_to_host(t)
+    for step in range(3):
+        sizes.append([])
+        grads = hooked_grads(model, x, (off.pack, off.unpack))
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    first, second, third = sizes
+    assert second == third == first[:-2] and len(first) > 10
+    assert off.held_bytes == 2 * sum(first[-2:]) and off.stats["held_bytes"] == off.held_bytes
+    assert off.offloaded_bytes == sum(first) + 2 * sum(second)
+
+
+def test_a_held_tensor_saved_twice_is_held_for_both():
+    off = Offloader(CPU, CPU, min_bytes=0, hold=1)
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    for packed in [off.pack(t) for t in (a, b, b)]:  # first forward: both offloaded, b once
+        off.unpack(packed)
+    assert off.offloaded_bytes == a.nbytes + b.nbytes and off.held_bytes == 0
+    assert off.pack(a) is not a and off.pack(b) is b and off.pack(b) is b  # a new forward
+    assert off.held_bytes == b.nbytes and off.offloaded_bytes == 2 * a.nbytes + b.nbytes
 
 
 def test_prefetch_window_order_and_bound():

@@ -38,6 +38,10 @@ How (a pack / unpack pair in the runtime's chain of saved-tensor transforms,
   brought back early. Such copies are never prefetched. An unpack by anything else (autograd's
   own nodes) waits for every chunk. Needs a channels_last (or one-channel) layout, where each
   image's rows are one block of memory; other tensors come back whole.
+- hold (`hold=N`): the last N distinct tensors a forward would offload stay on the device:
+  backward needs them first, so their round trip would add PCIe traffic and, under a budget,
+  memory held until the copy out has read it. The count comes from the forward before
+  (`LastSaved`); the first forward holds none.
 - which: `all` saved tensors (above min_bytes), or only `boundaries`, the tensors checkpoint
   (and tile) mark as kept between regions (`runtime.mark_boundary`): the region inputs and
   skip connections, which dominate what checkpointed runs still save.
@@ -89,6 +93,10 @@ class Options:
         "help": "a tile region's inputs come back in this many row chunks, on a side stream, "
                 "and each tile waits only for the chunks of its strip (0: the whole tensor "
                 "on the compute stream, when autograd asks for it)"})
+    hold: int = field(default=0, metadata={
+        "help": "the last N tensors a forward would offload stay on the device instead: "
+                "backward needs them first, so their round trip over PCIe only adds traffic "
+                "(from the second step on, once a step's count of saved tensors is known)"})
     which: str = field(default="all", metadata={
         "choices": WHICH,
         "help": "all: every saved tensor above min_bytes; boundaries: only the tensors "
@@ -100,7 +108,7 @@ class Offloader:
 
     def __init__(self, compute: torch.device, host: torch.device = torch.device("cpu"),
                  min_bytes: int = 64 * 1024, pin_memory: bool = False, prefetch: int = 0,
-                 boundaries_only: bool = False, row_chunks: int = 0):
+                 boundaries_only: bool = False, row_chunks: int = 0, hold: int = 0):
         self.compute, self.host = _indexed(torch.device(compute)), torch.device(host)
         self.min_bytes, self.pin_memory = min_bytes, pin_memory
         self.prefetch, self.boundaries_only = prefetch, boundaries_only
@@ -115,6 +123,7 @@ class Offloader:
         self.by_rows = 0  # copies back made in row chunks (tile region inputs) so far
         self.copy_times = CopyTimes() if cuda else None
         self._window = PrefetchWindow(self._start_copy_back, prefetch)
+        self._last = LastSaved(hold)
 
     def pack(self, packed: Any) -> Any:
         """A tensor, or an earlier transform's packed object (compress), whose tensors move."""
@@ -122,6 +131,7 @@ class Offloader:
             return packed
         if self._window.start_forward():
             self._copies.clear()  # a new forward: copies of the last one are not reused
+            self._last.start_forward()
         if isinstance(packed, torch.Tensor):
             return self._offload(packed)
         if hasattr(packed, "map_tensors"):
@@ -135,6 +145,8 @@ class Offloader:
         if known is not None and known[0]() is t and known[1] == t._version:
             self._window.count_use(getattr(known[2], OFFLOADED)[2])
             return known[2]
+        if self._last.holds(t):
+            return t
         host = self._copy_to_host(t)
         key = id(t)
         self._copies[key] = (weakref.ref(t, lambda _r, k=key: self._copies.pop(k, None)),
@@ -251,12 +263,17 @@ class Offloader:
         return restored
 
     @property
+    def held_bytes(self) -> int:
+        """Bytes kept on the device by `hold` so far (a running total; each tensor once)."""
+        return self._last.held_bytes
+
+    @property
     def transfer_stats(self) -> dict[str, float]:
         """Bytes each way and, on CUDA, the copies back's time and the part of it the compute
         stream waited for (exposed on the critical path). Read once the device is idle (the end
         of a run): events still pending are left out of the times."""
         found = {"d2h_bytes": float(self.offloaded_bytes), "h2d_bytes": float(self.restored_bytes),
-                 "by_rows": float(self.by_rows)}
+                 "by_rows": float(self.by_rows), "held_bytes": float(self.held_bytes)}
         if self.copy_times is not None:
             found.update(self.copy_times.totals())
         return found
@@ -264,6 +281,37 @@ class Offloader:
     @property
     def stats(self) -> dict[str, float]:
         return {**self._window.stats, **self.transfer_stats}
+
+
+class LastSaved:
+    """Which tensors `hold` keeps on the device: the last N distinct tensors a forward would
+    offload. A forward does not know which save is its last, so the count comes from the
+    forward before (the same model and technique set save the same tensors each step); the
+    first forward holds none. A tensor saved twice (a tile region's input, by each of its
+    Functions) counts once and is held for both."""
+
+    def __init__(self, hold: int):
+        self.hold = hold
+        self._seen = 0  # distinct tensors this forward offered
+        self._total = 0  # ... and the forward before
+        self._held: dict[int, weakref.ref] = {}  # id -> the held tensor (not kept alive here)
+        self.held_bytes = 0
+
+    def start_forward(self) -> None:
+        self._total, self._seen = self._seen, 0
+        self._held.clear()
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Keep `t` on the device? Call once per save of a tensor not offloaded yet."""
+        known = self._held.get(id(t))
+        if known is not None and known() is t:
+            return True
+        index, self._seen = self._seen, self._seen + 1
+        if not self.hold or not self._total or index < self._total - self.hold:
+            return False
+        self._held[id(t)] = weakref.ref(t)
+        self.held_bytes += t.nbytes
+        return True
 
 
 class ArrivingRows:
@@ -514,6 +562,9 @@ def check(opts: Options, plan: Plan) -> None:
     if opts.row_chunks < 0:
         raise ConfigError(f"offload: row_chunks={opts.row_chunks} must be >= 0 (0: whole "
                           "tensors, no row chunks)")
+    if opts.hold < 0:
+        raise ConfigError(f"offload: hold={opts.hold} must be >= 0 (0: every saved tensor "
+                          "above min_bytes goes to the host)")
     if opts.prefetch < 0:
         raise ConfigError(f"offload: prefetch={opts.prefetch} must be >= 0 (0: no prefetch)")
     if opts.prefetch and not opts.pin_memory:
@@ -529,7 +580,7 @@ def check(opts: Options, plan: Plan) -> None:
 def apply(opts: Options, build: Build) -> None:
     offloader = Offloader(build.device, torch.device("cpu"), opts.min_bytes, opts.pin_memory,
                           opts.prefetch, boundaries_only=opts.which == "boundaries",
-                          row_chunks=opts.row_chunks)
+                          row_chunks=opts.row_chunks, hold=opts.hold)
     build.runtime.add_saved_tensor_transform(offloader.pack, offloader.unpack, owner="offload")
     build.notes["offload_min_bytes"] = opts.min_bytes
     build.runtime.series_sources.append(lambda: _prefetch_rows(offloader, build.runtime.rank))
