@@ -33,8 +33,11 @@ from pathlib import Path
 # levels=2 up to 6 GiB (8 strips fit 4 GiB since offload moves tile's region inputs), levels=3
 # with layer1 cut at its convolutions for 8192 px under 8 GiB, 16 strips, one boundary
 # prefetched (1.102 s against 1.194 s without, same run; 1.866 s before the layout fixes and
-# the folded up-convolution)
-BEST = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,tile:8:keep=all,"
+# the folded up-convolution). At 4 GiB the last boundary (block 4's first convolution output,
+# the top region's input) is held on the device (offload:hold=1): 0.248 / 0.251 s against
+# 0.277 / 0.295 s without, alternating in one run (native-4188-4gib-hold.md); keep=half's fewer
+# sweeps cost more bus traffic than they save there (native-4188-4gib-half*.md)
+BEST = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,tile:8:keep=all,"
         "allocator:expandable_segments=true")
 BEST_LEVELS3 = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
                 "tile:16:levels=3:keep=conv1:layer1=convs,allocator:expandable_segments=true")

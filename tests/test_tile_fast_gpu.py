@@ -39,9 +39,13 @@ def _step(build, optimizer, x, y) -> torch.Tensor:
                                          "tile:4:keep=bn"],
                                         ["amp:bf16", "checkpoint",
                                          "offload:which=boundaries:prefetch=1", "tile:4:keep=half"],
+                                        ["amp:bf16", "checkpoint",
+                                         "offload:which=boundaries:prefetch=1:hold=1",
+                                         "tile:4:keep=all"],
                                         ["amp:bf16", "checkpoint", "offload:which=boundaries",
                                          "tile:4:levels=3:layer1=convs"]],
                          ids=["graphs-prefetch", "eager", "eager-keep-bn", "eager-keep-half-prefetch",
+                              "eager-hold",
                               "eager-layer1-convs"])
 def test_gpu_tiled_step_never_syncs_with_the_host(make_config, techniques):
     """After two warm-up steps (cuDNN's choices, graph captures), a whole training step of the
