@@ -1,4 +1,4 @@
-"""The study's Tables 1A, 1B, 2 and Figure 2 at its own protocol, beside its published values.
+"""The study's Tables 1A-6 and Figure 2 at its own protocol, beside its published values.
 
 Reads the runs of benchmarks/specs/paper-protocol.toml (label `paper-protocol`) from a results
 database and prints, per technique set: our final train / validation loss as mean ± std over
@@ -14,7 +14,16 @@ the time per epoch (the mean over the epochs after the first, which holds cuDNN'
 and the metered steps), ours next to the paper's. Figure 2: each set's forward and backward MB
 as a ratio to original's, ours next to the paper's (its 512 px bars, from its Table 2).
 
+Tables 3-6 (two GPUs): the runs of benchmarks/specs/paper-protocol-2gpu.toml (data parallel,
+Tables 3-4) and paper-protocol-2gpu-mp.toml (model parallel, Tables 5-6), label
+`paper-protocol-2gpu`, in the same columns: losses as Table 1's, against Original's (the
+one-GPU set, from the same database or --original's); memory as Table 2's plus the paper's
+Total (forward + backward). A two-GPU run's phase figures are the mean over its two ranks
+(the paper's per-GPU "average"); its losses and epoch time are rank 0's (model parallel:
+rank 0 logs the loss rank 1 computed). A set with no run prints "not measured".
+
     python benchmarks/bench_paper.py results/paper.sqlite [--format md] [--gpu H100]
+    python benchmarks/bench_paper.py results/paper-2gpu.sqlite --original results/paper.sqlite
     python benchmarks/bench_paper.py --estimate benchmarks/results/h200/technique-grid/gpu.sqlite
 
 --estimate prints the grid's training steps and, from the 512 px step times recorded in the
@@ -35,13 +44,18 @@ from memstudy.text_table import render_table
 
 SPECS = Path(__file__).resolve().parent / "specs"
 SPEC, PUBLISHED = SPECS / "paper-protocol.toml", SPECS / "paper-published.toml"
-LABEL = "paper-protocol"
+SPECS_2GPU = (SPECS / "paper-protocol-2gpu.toml", SPECS / "paper-protocol-2gpu-mp.toml")
+LABEL, LABEL_2GPU = "paper-protocol", "paper-protocol-2gpu"
 
 
 def runs_by_set(db: str, gpu: str | None) -> dict[str, list[dict]]:
+    """The protocol's runs (one GPU and two) per technique set, each with its `epoch_s`."""
     by_set: dict[str, list[dict]] = {}
+    epoch_s = epoch_times(db)
     for run in load_runs(db):
-        if run["label"] == LABEL and (gpu is None or gpu.lower() in device_of(run).lower()):
+        if run["label"] in (LABEL, LABEL_2GPU) and (gpu is None
+                                                     or gpu.lower() in device_of(run).lower()):
+            run["epoch_s"] = epoch_s.get(run["id"])
             by_set.setdefault(run["name"], []).append(run)
     return by_set
 
@@ -84,20 +98,33 @@ def table1(part: dict, by_set: dict, scale: float) -> tuple[list[str], list[list
     for name, paper in part.items():
         runs = by_set.get(name, [])
         train, val = loss_stats(runs, "train_loss", scale), loss_stats(runs, "val_loss", scale)
-        status = ", ".join(sorted({r["status"] for r in runs})) or "not run"
         dead = ", ".join(str(r["config"]["train"]["seed"]) for r in runs
                          if did_not_train(r)) or "-"
         rows.append([paper["paper"], name, _cell(train), _published(paper, "train_loss"),
                      _cell(val), _published(paper, "val_loss"),
-                     "-" if name == "original" else differs(val, base), dead, status])
+                     "-" if name == "original" else differs(val, base), dead, run_status(runs)])
     return (["paper", "techniques", "train loss", "paper train", "val loss", "paper val",
              "val differs from original", "seeds never trained", "status"], rows)
+
+
+def run_status(runs: list[dict]) -> str:
+    return ", ".join(sorted({r["status"] for r in runs})) or "not measured"
 
 
 def phase_mb(runs: list[dict], phase: str) -> tuple:
     """A phase's increment in MB over the runs that finished (all seeds: memory does not depend
     on whether the weights moved)."""
-    return spread([mb(phase_peak(r["metrics"].get(phase, {}))) for r in runs if r["status"] == "ok"])
+    return spread([_run_mb(r, phase) for r in runs if r["status"] == "ok"])
+
+
+def total_mb(runs: list[dict]) -> tuple:
+    """Forward + backward MB of each finished run (Tables 4 and 6's Total), over the runs."""
+    per_run = [(_run_mb(r, "forward"), _run_mb(r, "backward")) for r in runs if r["status"] == "ok"]
+    return spread([f + b if f is not None and b is not None else None for f, b in per_run])
+
+
+def _run_mb(run: dict, phase: str) -> float | None:
+    return mb(phase_peak(run["metrics"].get(phase, {})))
 
 
 def epoch_times(db: str) -> dict[int, float]:
@@ -107,16 +134,37 @@ def epoch_times(db: str) -> dict[int, float]:
     return {row["run_id"]: row["t"] for row in rows}
 
 
-def table2(part: dict, by_set: dict, epoch_s: dict[int, float]) -> tuple[list[str], list[list]]:
+MEMORY_HEADERS = ["paper", "techniques", "Forward MB", "paper Forward", "Backward MB",
+                  "paper Backward"]
+EPOCH_HEADERS = ["epoch s (2-50)", "paper epoch s"]
+
+
+def table2(part: dict, by_set: dict) -> tuple[list[str], list[list]]:
+    rows = [[paper["paper"], name, *memory_cells(by_set.get(name, []), paper),
+             *epoch_cells(by_set.get(name, []), paper)] for name, paper in part.items()]
+    return MEMORY_HEADERS + EPOCH_HEADERS, rows
+
+
+def table4(part: dict, by_set: dict) -> tuple[list[str], list[list]]:
+    """Tables 4 and 6: Table 2's columns with the Total (forward + backward) and the status."""
     rows = []
     for name, paper in part.items():
         runs = by_set.get(name, [])
-        epoch = spread([epoch_s.get(r["id"]) for r in runs if r["status"] == "ok"])
-        rows.append([paper["paper"], name, _num(phase_mb(runs, "forward")),
-                     _published(paper, "forward_mb"), _num(phase_mb(runs, "backward")),
-                     _published(paper, "backward_mb"), _num(epoch), _published(paper, "epoch_s")])
-    return (["paper", "techniques", "Forward MB", "paper Forward", "Backward MB",
-             "paper Backward", "epoch s (2-50)", "paper epoch s"], rows)
+        rows.append([paper["paper"], name, *memory_cells(runs, paper), _num(total_mb(runs)),
+                     _published(paper, "total_mb"), *epoch_cells(runs, paper), run_status(runs)])
+    return MEMORY_HEADERS + ["Total MB", "paper Total"] + EPOCH_HEADERS + ["status"], rows
+
+
+def memory_cells(runs: list[dict], paper: dict) -> list[str]:
+    """Forward and backward MB, ours beside the paper's."""
+    return [_num(phase_mb(runs, "forward")), _published(paper, "forward_mb"),
+            _num(phase_mb(runs, "backward")), _published(paper, "backward_mb")]
+
+
+def epoch_cells(runs: list[dict], paper: dict) -> list[str]:
+    """The time per epoch over the finished runs, ours beside the paper's."""
+    return [_num(spread([r["epoch_s"] for r in runs if r["status"] == "ok"])),
+            _published(paper, "epoch_s")]
 
 
 def figure2(part: dict, by_set: dict) -> tuple[list[str], list[list]]:
@@ -172,32 +220,51 @@ def estimate(db: str, gpu: str | None) -> str:
     return "\n".join(lines)
 
 
+def tables(published: dict, by_set: dict, scale: float) -> list[tuple[str, tuple]]:
+    """(title, (headers, rows)) of every table, in the paper's order."""
+    per_gpu = "memory per phase (MB, mean over the two GPUs) and time per epoch"
+    return [("Table 1A: loss per technique, 512 px, 50 epochs",
+             table1(published["table1a"], by_set, scale)),
+            ("Table 1B: loss per combination", table1(published["table1b"], by_set, scale)),
+            ("Table 2: memory per phase (MB) and time per epoch",
+             table2(published["table2"], by_set)),
+            ("Figure 2: memory per phase as a ratio to original's, 512 px",
+             figure2(published["table2"], by_set)),
+            ("Table 3: loss, data parallel on two GPUs",
+             table1(published["table3"], by_set, scale)),
+            (f"Table 4: data parallel, {per_gpu}", table4(published["table4"], by_set)),
+            ("Table 5: loss, model parallel on two GPUs",
+             table1(published["table5"], by_set, scale)),
+            (f"Table 6: model parallel, {per_gpu}", table4(published["table6"], by_set))]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("db", help="results database with the paper-protocol runs")
     p.add_argument("--format", choices=("term", "md", "csv", "latex"), default="term")
     p.add_argument("--gpu", help="only runs of this GPU (part of its name)")
+    p.add_argument("--original", metavar="DB", help="take Original's runs from this database "
+                   "(e.g. the one-GPU one when DB holds the two-GPU runs)")
     p.add_argument("--estimate", action="store_true", help="print the protocol's run time "
                    "from the 512 px step times in DB; read no paper-protocol runs")
     args = p.parse_args(argv)
-    if not Path(args.db).is_file():
-        print(f"bench_paper: error: no database {args.db}", file=sys.stderr)
-        return 2
+    for db in (args.db, args.original):
+        if db is not None and not Path(db).is_file():
+            print(f"bench_paper: error: no database {db}", file=sys.stderr)
+            return 2
     if args.estimate:
         print(estimate(args.db, args.gpu))
         return 0
     published = tomllib.loads(PUBLISHED.read_text())
     by_set = runs_by_set(args.db, args.gpu)
+    if args.original:
+        by_set["original"] = runs_by_set(args.original, args.gpu).get("original", [])
     scale = published["loss_scale"]
     gpus = sorted({device_of(r) for runs in by_set.values() for r in runs}) or ["no runs"]
-    print(f"paper-protocol runs of {args.db} on {', '.join(gpus)}; losses x {scale:g} as the "
-          "paper prints them\n")
-    epoch_s = epoch_times(args.db)
-    for title, (headers, rows) in (
-            ("Table 1A: loss per technique, 512 px, 50 epochs", table1(published["table1a"], by_set, scale)),
-            ("Table 1B: loss per combination", table1(published["table1b"], by_set, scale)),
-            ("Table 2: memory per phase (MB) and time per epoch", table2(published["table2"], by_set, epoch_s)),
-            ("Figure 2: memory per phase as a ratio to original's, 512 px", figure2(published["table2"], by_set))):
+    origin = f" (Original's: {args.original})" if args.original else ""
+    print(f"paper-protocol runs of {args.db}{origin} on {', '.join(gpus)}; losses x {scale:g} "
+          "as the paper prints them\n")
+    for title, (headers, rows) in tables(published, by_set, scale):
         print(title)
         print(render_table(headers, rows, args.format))
         print()

@@ -2,30 +2,50 @@
 seed-spread flag, from a small database built with the store API."""
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import bench_paper  # noqa: E402
 
+from memstudy.distributed.records import merge  # noqa: E402
 from memstudy.grid import expand, load_spec  # noqa: E402
 from memstudy.store import ResultsDB, RunRecord  # noqa: E402
+from memstudy.techniques.compose import make_plan  # noqa: E402
 
 MB = 1024**2
 
 
-def paper_run(db, name: str, seed: int, val: float, fwd_mb: float = 500, train: float | None = None,
-              trained: bool = True) -> None:
+def paper_record(name: str, seed: int, val: float, fwd_mb: float = 500, train: float | None = None,
+                 trained: bool = True, label: str = bench_paper.LABEL, world: int = 1,
+                 epoch_s: float = 30.0) -> RunRecord:
     metrics = [(0, phase, key, value) for phase, inc in (("forward", fwd_mb), ("backward", 100))
                for key, value in (("alloc_peak_bytes", inc * MB), ("alloc_start_bytes", 300 * MB))]
-    db.record(RunRecord(
-        config={"train": {"image_size": 512, "batch_size": 1, "seed": seed}, "world_size": 1,
-                "label": bench_paper.LABEL}, config_hash=f"{name}{seed}", name=name, status="ok",
-        env={"device": "cuda:0", "gpu_name": "Test GPU"}, started_at=0.0, label=bench_paper.LABEL,
+    return RunRecord(
+        config={"train": {"image_size": 512, "batch_size": 1, "seed": seed}, "world_size": world,
+                "label": label}, config_hash=f"{name}{seed}", name=name, status="ok",
+        env={"device": "cuda:0", "gpu_name": "Test GPU"}, started_at=0.0, label=label,
         trained=trained, metrics=metrics, epochs=[  # the first epoch's time (autotuning) is not the epoch time
             {"epoch": 0, "steps": 1, "train_loss": 0.5, "val_loss": 0.5, "time_s": 90.0},
             {"epoch": 49, "steps": 48, "train_loss": val if train is None else train,
-             "val_loss": val, "time_s": 30.0}]))
+             "val_loss": val, "time_s": epoch_s}])
+
+
+def paper_run(db, name: str, seed: int, val: float, fwd_mb: float = 500, train: float | None = None,
+              trained: bool = True) -> None:
+    db.record(paper_record(name, seed, val, fwd_mb, train, trained))
+
+
+def two_gpu_run(db, name: str, seed: int, val: float, train: float, fwd_mb=(500, 500),
+                epoch_s=(20.0, 26.0)) -> None:
+    """A run of the two-GPU protocol as rank 0 stores it (records.merge): each rank's metrics
+    and epochs, and the mean and maximum over the ranks."""
+    ranks = [paper_record(name, seed, val, fwd, train, label=bench_paper.LABEL_2GPU, world=2,
+                          epoch_s=t) for fwd, t in zip(fwd_mb, epoch_s)]
+    db.record(merge(ranks))
 
 
 def test_the_spec_is_the_papers_protocol():
@@ -87,3 +107,81 @@ def test_figure2_is_memory_over_originals(tmp_path, capsys):
     amp = next(row for row in figure.splitlines() if "amp:fp16 " in row)
     assert amp.split()[2:6] == ["0.25", "0.64", "1.00", "0.23"]  # ours, paper's (481.28 / 757.76)
     assert "- " in next(row for row in figure.splitlines() if "invertible " in row)
+
+
+def test_the_2gpu_specs_are_the_papers_protocol_on_two_gpus():
+    """Tables 3-6's sets, at Tables 1-2's protocol and [base] (but the label), and every cell
+    valid as planned on a host with two GPUs."""
+    one_gpu = bench_paper.tomllib.loads(bench_paper.SPEC.read_text())
+    published = bench_paper.tomllib.loads(bench_paper.PUBLISHED.read_text())
+    names = set()
+    for path, batch in zip(bench_paper.SPECS_2GPU, (2, 1)):  # dp: one image per GPU
+        raw = bench_paper.tomllib.loads(path.read_text())
+        assert raw["base"]["train"] == one_gpu["base"]["train"]
+        assert raw["base"]["data"] == one_gpu["base"]["data"]
+        cells = expand(load_spec(path))
+        assert [c.config.train.seed for c in cells[:4]] == one_gpu["seeds"]
+        for cell in cells:
+            cfg = cell.config
+            assert (cfg.train.image_size, cfg.train.epochs, cfg.train.batch_size) == (512, 50, batch)
+            assert (cfg.world_size, cfg.label) == (2, bench_paper.LABEL_2GPU)
+            plan = make_plan(copy.deepcopy(cfg), device=torch.device("cuda"), n_gpus=2)
+            assert plan.gpus_needed() == 2, cell.name
+        names |= {c.name for c in cells}
+    assert len(names) == 14
+    for table in ("table3", "table4", "table5", "table6"):
+        assert set(published[table]) - {"original"} <= names, table  # every published set is run
+
+
+def _rows(out: str, title: str, end: str | None) -> dict[str, str]:
+    """The markdown rows of one printed table, by their techniques column."""
+    part = out.split(title)[1]
+    part = part.split(end)[0] if end else part
+    return {row.split("|")[2].strip(): row for row in part.splitlines()
+            if row.startswith("| ") and not row.startswith("| paper |")}  # not the header
+
+
+def test_tables_3_to_6_beside_the_paper(tmp_path, capsys):
+    db = ResultsDB(tmp_path / "paper.sqlite")
+    for seed, noise in enumerate((-0.001, 0.0, 0.001)):
+        paper_run(db, "original", seed, 0.060 + noise)
+        two_gpu_run(db, "dp", seed, 0.063 + noise, train=0.020 + noise)   # beyond the spread
+    two_gpu_run(db, "dp+zero", 0, 0.0605, train=0.02)                      # one seed
+    for seed, val in enumerate((0.059, 0.061)):  # the ranks' mean is the paper's "average"
+        two_gpu_run(db, "mp", seed, val, train=0.045, fwd_mb=(300, 500))
+    assert bench_paper.main([str(db.path), "--format", "md"]) == 0
+    out = capsys.readouterr().out
+    table3 = _rows(out, "Table 3", "Table 4")
+    assert "| 2.0000 ± 0.1000 (n=3) | 2.1602 | 6.3000 ± 0.1000 (n=3) | 6.1418 | yes |" in table3["dp"]
+    assert "| 6.0500 (n=1) | 6.1418 | inside original's spread (one seed) |" in table3["dp+zero"]
+    assert "| 6.0000 ± 0.1000 (n=3) | 6.0083 | - |" in table3["original"]
+    assert table3["dp+amp:fp16"].endswith("| - | 2.4507 | - | 6.2196 | - | - | not measured |")
+    table4 = _rows(out, "Table 4", "Table 5")
+    assert table4["dp"].endswith("| 500.00 ± 0.00 | 757.76 | 100.00 ± 0.00 | 532.48 | "
+                                 "600.00 ± 0.00 | 1290.24 | 20.00 ± 0.00 | 14.44 | ok |")
+    assert table4["original"].endswith("| 600.00 ± 0.00 | 1198.09 | 30.00 ± 0.00 | 35.63 | ok |")
+    assert table4["dp+zero+amp:fp16+checkpoint:block"].endswith(
+        "| - | 276.48 | - | 153.6 | - | 430.08 | - | 12.98 | not measured |")
+    table5 = _rows(out, "Table 5", "Table 6")
+    assert "| 4.5000 ± 0.0000 (n=2) | 4.5295 | 6.0000 ± 0.1414 (n=2) | 5.9778 | no |" in table5["mp"]
+    assert table5["mp+invertible"].endswith("| - | 4.6009 | - | 5.9407 | - | - | not measured |")
+    table6 = _rows(out, "Table 6", None)
+    assert table6["mp"].endswith("| 400.00 ± 0.00 | 424.96 | 100.00 ± 0.00 | 307.2 | "
+                                 "500.00 ± 0.00 | 732.16 | 20.00 ± 0.00 | 53.29 | ok |")
+    assert len(table6) == 8 and sum("not measured" in row for row in table6.values()) == 6
+
+
+def test_original_from_another_database(tmp_path, capsys):
+    """--original: Original's losses, memory and epoch time come from that database, even
+    where its run ids are the two-GPU database's too."""
+    one, two = ResultsDB(tmp_path / "one.sqlite"), ResultsDB(tmp_path / "two.sqlite")
+    paper_run(one, "original", 0, 0.06, fwd_mb=700)  # run id 1 in both files
+    two_gpu_run(two, "dp", 0, 0.08, train=0.02)
+    assert bench_paper.main([str(two.path), "--format", "md"]) == 0
+    assert "| Original | original | - |" in capsys.readouterr().out  # not in the two-GPU file
+    assert bench_paper.main([str(two.path), "--original", str(one.path), "--format", "md"]) == 0
+    out = capsys.readouterr().out
+    assert "| outside original's spread (one seed) |" not in out  # original has one seed here
+    assert "| n/a (one seed) |" in _rows(out, "Table 3", "Table 4")["dp"]
+    assert _rows(out, "Table 4", "Table 5")["original"].endswith(
+        "| 700.00 | 757.76 | 100.00 | 440.32 | 800.00 | 1198.09 | 30.00 | 35.63 | ok |")
