@@ -109,10 +109,10 @@ def test_the_h100_paper_grid_names_seed_1(tmp_path, capsys):
     copy.write_bytes(h100.read_bytes())  # the committed file is never opened for writing
     original = {r["config"]["train"]["seed"]: r["trained"] for r in load_runs(copy)
                 if r["name"] == "original"}
-    assert original == {0: True, 1: False, 2: True}
+    assert original == {0: True, 1: False, 2: True, 3: True}
     assert bench_paper.main([str(copy), "--format", "md"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if "| original |" in line)
-    assert "(n=2)" in row and row.rstrip().endswith("| 1 | ok |")
+    assert "(n=3)" in row and row.rstrip().endswith("| 1 | ok |")
 
 
 def test_the_rule():
