@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from memstudy.errors import ConfigError, Diverged, PhaseFailure
-from memstudy.meters import PhaseRecorder
+from memstudy.meters import PhaseRecorder, alloc_retries
 from memstudy.meters.profile import step_profile
 from memstudy.quality import quality
 from memstudy.runtime import MicroBatch, StepInfo
@@ -35,10 +35,8 @@ from memstudy.tiling.validation import validation_forward
 
 
 def _record_alloc_retries(state: "TrainState", rank: int, device: torch.device) -> None:
-    """The step's allocator retries (near a budget the caching allocator synchronises the
-    device, frees its cache and tries again: each a slow step), read from the allocator's own
-    counters on the host: no device sync."""
-    total = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    """The step's allocator retries (each a slow step: meters.alloc_retries)."""
+    total = alloc_retries(device)
     state.series.append((rank, state.step, "alloc_retries", total - state.alloc_retries))
     state.alloc_retries = total
 

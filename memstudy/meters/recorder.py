@@ -31,6 +31,12 @@ from memstudy.runtime import Runtime
 TIME_FIGURES = {"time_s"}
 
 
+def alloc_retries(device: torch.device) -> int:
+    """The CUDA caching allocator's retries so far (near a budget it synchronises the device,
+    frees its cache and tries again), from its host-side counters: no device sync."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+
 class PhaseRecorder:
     def __init__(self, device: torch.device, model: nn.Module, runtime: Runtime,
                  optimizer: Callable[[], torch.optim.Optimizer | None], cfg: MeterConfig,
@@ -155,13 +161,10 @@ class PhaseRecorder:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def _alloc_retries(self) -> int:
-        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
-
     def _before(self, rec: dict[str, float]) -> None:
         if self.cuda:
             rec["alloc_start_bytes"] = torch.cuda.memory_allocated(self.device)
-            self._retries_at_start = self._alloc_retries()
+            self._retries_at_start = alloc_retries(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.nvml is not None:
             rec["nvml_start_bytes"] = self.nvml.phase_start()
@@ -178,7 +181,7 @@ class PhaseRecorder:
                 torch.cuda.max_memory_allocated(self.device)) - start)
             rec["alloc_held_bytes"] = torch.cuda.memory_allocated(self.device) - start
             rec["reserved_peak_bytes"] = torch.cuda.max_memory_reserved(self.device)
-            rec["alloc_retries"] = self._alloc_retries() - self._retries_at_start
+            rec["alloc_retries"] = alloc_retries(self.device) - self._retries_at_start
         if self.nvml is not None:
             rec["nvml_peak_bytes"] = self.nvml.phase_end()
             rec["nvml_delta_bytes"] = rec["nvml_peak_bytes"] - rec["nvml_start_bytes"]
@@ -290,7 +293,7 @@ class PhaseRecorder:
         if nvml:
             run["nvml_peak_total_bytes"] = max(nvml)
         if self.cuda:  # near a budget the allocator frees its cache and retries: slow steps
-            run["alloc_retries"] = self._alloc_retries()
+            run["alloc_retries"] = alloc_retries(self.device)
         return run
 
 
