@@ -15,8 +15,10 @@ if ! "$PY" -c "import memstudy, torchvision, segmentation_models_pytorch, nbclie
              "environment needs about 6 GB (set MEMSTUDY_VENV to a folder on a larger disk)" >&2
     fi
     python3 -m venv "$VENV"
-    "$PY" -m pip install -q --upgrade pip
-    "$PY" -m pip install -q -e "$ROOT[test]"
+    # --no-cache-dir: from a remote index pip would also keep every wheel it downloaded
+    # (about 3 GB for torch and its CUDA libraries) in its cache beside the installed copy
+    "$PY" -m pip install -q --no-cache-dir --upgrade pip
+    "$PY" -m pip install -q --no-cache-dir -e "$ROOT[test]"
 fi
 export PATH="$VENV/bin:$PATH"
 cd "$ROOT"
