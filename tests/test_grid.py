@@ -189,7 +189,9 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_resume_after_killing_a_cell_and_the_runner(tmp_path):
     db = tmp_path / "r.sqlite"
-    spec_path = write_spec(tmp_path, [192, 224])
+    # cell 2 is the larger, so that it is still running when its process is found and killed
+    # (at 224 px a fast machine finished it within the second the kill used to wait)
+    spec_path = write_spec(tmp_path, [192, 512])
     cmd = [sys.executable, "-m", "memstudy", "--db", str(db), "grid", str(spec_path), "-q"]
     cell2 = expand(load_spec(spec_path))[1].hash
 
@@ -197,7 +199,6 @@ def test_resume_after_killing_a_cell_and_the_runner(tmp_path):
         runner = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         _wait(lambda: len(ResultsDB(db).runs()) >= 1, what="cell 1 to be recorded")
         (child,) = _wait(lambda: _children(runner.pid, cell2), what="the child of cell 2")
-        time.sleep(1.0)  # cell 2 is under way
         os.kill(runner.pid if kill_runner else child, signal.SIGKILL)
         runner.wait(timeout=120)
         _wait(lambda: not _alive(child), 30, "cell 2 to die with its runner")
@@ -218,7 +219,7 @@ def test_resume_after_killing_a_cell_and_the_runner(tmp_path):
     result = run_grid(load_spec(spec_path), db)
     assert result.outcomes == {1: "recorded earlier (skipped)", 2: "ok"}
     runs = ResultsDB(db).runs()
-    assert sorted(r["image_size"] for r in runs) == [192, 224]
+    assert sorted(r["image_size"] for r in runs) == [192, 512]
     assert len({r["config_hash"] for r in runs}) == 2
 
 
