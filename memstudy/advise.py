@@ -30,7 +30,7 @@ from typing import Any, Callable
 from memstudy.bytesize import mb, parse_bytes
 from memstudy.errors import ConfigError
 from memstudy.maxres import fit_line
-from memstudy.report.data import TRAIN_PHASES, device_of, load_runs, open_db
+from memstudy.report.data import TRAIN_PHASES, device_of, load_runs, open_db, step_time
 from memstudy.report.decide import candidates, contexts, missing_context, quality_cost
 from memstudy.sizes import parse_size, size_hw, size_label
 from memstudy.store import ResultsDB
@@ -160,7 +160,7 @@ def predict_set(name: str, runs: list[dict], pixels: int, size, limit: int,
         raise NoFit("its runs recorded no per-phase peak")
     phase = max(fits, key=lambda p: fits[p][0] + fits[p][1] * pixels)
     peak = fits[phase][0] + fits[phase][1] * pixels
-    steps = [(px, _median([r["metrics"].get("run", {}).get("step_time_s") for r in by_px[px]]))
+    steps = [(px, _median([step_time(r) for r in by_px[px]]))
              for px in xs]
     steps = [(px, s) for px, s in steps if s is not None]
     step = None
@@ -170,7 +170,7 @@ def predict_set(name: str, runs: list[dict], pixels: int, size, limit: int,
     exact = by_px.get(pixels, [])
     if exact:  # a measurement at the very size beats the line
         peak = max(max(r["peaks"].values()) + missing_context(r, context) for r in exact)
-        step = _median([r["metrics"].get("run", {}).get("step_time_s") for r in exact]) or step
+        step = _median([step_time(r) for r in exact]) or step
     pred = Prediction(name, peak, step, phase, _confidence(xs, pixels, bool(exact)), worst,
                       peak <= limit, template=max(ok, key=_pixels)["config"], phase_fits=fits)
     pred.why_not = _recorded_oom(runs, pixels, limit)
@@ -330,7 +330,7 @@ def _specs(name: str) -> list[str]:
 
 def _checked(p: dict, run: dict, context: float) -> dict[str, Any]:
     peak = max(run["peaks"].values()) + missing_context(run, context) if run["peaks"] else None
-    step = run["metrics"].get("run", {}).get("step_time_s")
+    step = step_time(run)
     budget = run["config"].get("budget")
     judged = budget is not None and parse_bytes(budget) <= p["budget_bytes"] and run["status"] in ("ok", "oom")
     return {"name": p["name"], "size": p["image_size"], "budget": p["budget"],

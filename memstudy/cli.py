@@ -112,6 +112,10 @@ def summarize(rec) -> str:
     if "nvml_peak_total_bytes" in run:
         lines.append(f"peak allocated {mb(run['alloc_peak_total_bytes']):.1f} MB | NVML device used "
                      f"peak {mb(run['nvml_peak_total_bytes']):.1f} MB (CUDA context included)")
+    if others := run.get("gpu_other_processes"):
+        lines.append(f"the GPU was shared: {others:.0f} other process(es) held a CUDA context on it "
+                     "during the run, so its times, energy and NVML peak include their work "
+                     "(the reports leave this run's times out; its allocator figures are its own)")
     for e in rec.epochs:
         val = f" val loss {e['val_loss']:.4f}" if e.get("val_loss") is not None else ""
         tl = f"{e['train_loss']:.4f}" if e.get("train_loss") is not None else "-"
@@ -138,7 +142,7 @@ def cmd_grid(args: argparse.Namespace) -> int:
 
     from memstudy.grid import cell_table, expand, load_spec, plan_outcomes, run_grid
     from memstudy.grid.claims import parse_retry
-    from memstudy.grid.run import check_gpu_needs
+    from memstudy.grid.run import check_gpu_needs, check_sharing
 
     retry = parse_retry(args.retry)
     spec = load_spec(args.spec)
@@ -149,6 +153,7 @@ def cmd_grid(args: argparse.Namespace) -> int:
     gpus = [g.strip() for g in args.gpus.split(",")] if args.gpus else None
     if args.dry_run:
         cells = expand(spec)
+        check_sharing(cells, args.cells_per_gpu)
         check_gpu_needs(cells, gpus)
         print(cell_table(cells, plan_outcomes(cells, ResultsDB(args.db), retry)))
         return 0
@@ -156,7 +161,7 @@ def cmd_grid(args: argparse.Namespace) -> int:
     try:
         result = (_run_grid_jobs(spec, args) if args.launcher != "processes" else
                   run_grid(spec, args.db, gpus, progress=None if args.quiet else eprint,
-                           retry=retry))
+                           retry=retry, per_gpu=args.cells_per_gpu))
     except KeyboardInterrupt:
         eprint("interrupted: recorded cells are kept; the cells that were running left no "
                "record and the same command runs them")
@@ -192,8 +197,9 @@ def _run_grid_jobs(spec, args: argparse.Namespace):
     """A grid whose cells are submitit jobs (docs/grid.md, "On a Slurm cluster")."""
     from memstudy.grid.slurm import run_grid_submitit
 
-    if args.gpus:
-        raise ConfigError(f"--gpus applies to --launcher processes; with --launcher "
+    if args.gpus or args.cells_per_gpu != 1:
+        flag = "--gpus" if args.gpus else "--cells-per-gpu"
+        raise ConfigError(f"{flag} applies to --launcher processes; with --launcher "
                           f"{args.launcher} each job gets its GPUs from the scheduler")
     if args.retry:
         raise ConfigError(f"--retry applies to --launcher processes; with --launcher "
@@ -245,8 +251,13 @@ def add_study_parsers(sub) -> None:
     grid = sub.add_parser("grid", help="run a grid of technique sets x sizes, resumably")
     grid.add_argument("spec", help="grid spec (TOML, docs/grid.md)")
     grid.add_argument("--db", **db)
-    grid.add_argument("--gpus", help="comma-separated GPU ids, one cell per GPU at a time "
+    grid.add_argument("--gpus", help="comma-separated GPU ids, the GPUs cells run on "
                       "(default: all visible GPUs for GPU cells)")
+    grid.add_argument("--cells-per-gpu", type=int, default=1, metavar="N",
+                      help="run N cells side by side on each GPU (default 1: a GPU is a "
+                      "cell's alone); their losses and allocator figures are their own, their "
+                      "times are not, and the reports leave those out (docs/grid.md); not with "
+                      "a budget")
     grid.add_argument("--budget", help="memory budget for every cell, e.g. 8GiB")
     grid.add_argument("--timeout", type=float, help="per-cell timeout in seconds")
     grid.add_argument("--retry", metavar="KINDS", help="run again the recorded cells whose last "

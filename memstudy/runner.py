@@ -86,7 +86,8 @@ def execute(config: RunConfig, db: ResultsDB | None,
         record.env["parameters"] = sum(p.numel() for p in build.model.parameters())
         cpu_limit = budget_bytes(config.budget) if device.type == "cpu" else None
         recorder = PhaseRecorder(device, build.model, build.runtime, lambda: state.optimizer,
-                                 config.meter, cpu_limit_bytes=cpu_limit)
+                                 config.meter, cpu_limit_bytes=cpu_limit,
+                                 single_process=config.world_size == 1)
         build.runtime.memory_meter = recorder.budget_meter
         _recap_budget_after_warmup(build, config, record.env)
         energy = EnergyCounter.open(device)  # None on the CPU: energy_j is then absent

@@ -146,6 +146,7 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
             record.update(validate(build, val_set, recorder, state.step))
             _check_target(record["val_loss"], cfg.target_val_loss, state)
         state.epochs.append(record)
+        recorder.look_at_gpu()  # a process that shared the GPU this epoch (its time is not ours)
         if progress:
             progress(_epoch_line(record, cfg.epochs))
         if state.step >= total:

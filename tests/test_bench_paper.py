@@ -21,9 +21,11 @@ MB = 1024**2
 
 def paper_record(name: str, seed: int, val: float, fwd_mb: float = 500, train: float | None = None,
                  trained: bool = True, label: str = bench_paper.LABEL, world: int = 1,
-                 epoch_s: float = 30.0) -> RunRecord:
+                 epoch_s: float = 30.0, others: int | None = None) -> RunRecord:
     metrics = [(0, phase, key, value) for phase, inc in (("forward", fwd_mb), ("backward", 100))
                for key, value in (("alloc_peak_bytes", inc * MB), ("alloc_start_bytes", 300 * MB))]
+    if others is not None:  # processes it saw on its GPU (gpu_other_processes)
+        metrics.append((0, "run", "gpu_other_processes", others))
     return RunRecord(
         config={"train": {"image_size": 512, "batch_size": 1, "seed": seed}, "world_size": world,
                 "label": label}, config_hash=f"{name}{seed}", name=name, status="ok",
@@ -84,6 +86,22 @@ def test_tables_beside_the_paper_with_the_seed_spread_flag(tmp_path, capsys):
     table2 = out.split("Table 2")[1].split("Figure 2")[0]
     assert "| 500.00 ± 0.00 | 757.76 |" in table2  # our forward MB beside the paper's
     assert "| 30.00 ± 0.00 | 35.63 |" in table2   # epochs after the first only
+
+
+def test_table2_times_only_runs_that_had_the_gpu_alone(tmp_path, capsys):
+    """Cells run side by side on one GPU keep their losses and memory in the tables; their
+    epoch times are left out, and the cell says how many."""
+    db = ResultsDB(tmp_path / "paper.sqlite")
+    db.record(paper_record("original", 0, 0.060, epoch_s=30.0, others=0))
+    db.record(paper_record("original", 2, 0.061, epoch_s=31.0))  # recorded before the count
+    db.record(paper_record("original", 3, 0.062, fwd_mb=510, epoch_s=80.0, others=3))
+    assert bench_paper.main([str(db.path), "--format", "md"]) == 0
+    out = capsys.readouterr().out
+    original = next(r for r in out.split("Table 2")[1].split("Figure 2")[0].splitlines()
+                    if "| original |" in r)
+    assert "| 30.50 ± 0.71 (1 on a shared GPU left out) | 35.63 |" in original
+    assert "| 503.33 ± 5.77 |" in original  # its memory counts
+    assert "(n=3)" in out.split("Table 1A")[1].split("Table 1B")[0]  # and its loss
 
 
 def test_the_recorded_flag_decides_which_seeds_did_not_train(tmp_path, capsys):

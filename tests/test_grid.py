@@ -223,6 +223,61 @@ def test_resume_after_killing_a_cell_and_the_runner(tmp_path):
     assert len({r["config_hash"] for r in runs}) == 2
 
 
+def test_cells_per_gpu_seats_cells_side_by_side_emptiest_gpu_first():
+    from memstudy.grid import GpuSlots
+
+    slots = GpuSlots(["0", "1"], per_gpu=2)
+    assert [slots.take(1) for _ in range(4)] == [["0"], ["1"], ["0"], ["1"]]
+    assert slots.take(1) is None and slots.width == 4
+    slots.give(["1"])
+    assert slots.take(2) is None  # a 2-GPU cell needs a seat on both
+    slots.give(["0"])
+    assert slots.take(2) == ["0", "1"]
+    slots.give(["0", "1"]), slots.give(["0"]), slots.give(["1"])
+    with pytest.raises(RuntimeError, match="given back twice"):
+        slots.give(["1"])
+
+
+def test_cells_per_gpu_refuses_budgets_and_other_launchers(tmp_path, capsys):
+    (tmp_path / "gpu").mkdir()
+    spec = write_spec(tmp_path, [192])
+    db = str(tmp_path / "r.sqlite")
+    gpu_spec = write_spec(tmp_path / "gpu", [192],
+                          base={**BASE, "train": {**BASE["train"], "device": "cuda"}})
+    for extra, message in (
+            (["--cells-per-gpu", "0"], "--cells-per-gpu 0: give 1 or more"),
+            (["--cells-per-gpu", "2", "--budget", "4GiB"], "with a memory budget (original 192px"),
+            (["--cells-per-gpu", "2", "--launcher", "submitit-local"],
+             "--cells-per-gpu applies to --launcher processes")):
+        assert main(["--db", db, "grid", str(gpu_spec), *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("memstudy: error: ") and message in err and err.count("\n") == 1, err
+    assert not os.path.exists(db)  # refused before anything was created
+    # CPU cells have no GPU to share: a budget is fine there
+    assert main(["--db", db, "grid", str(spec), "--cells-per-gpu", "2", "--budget", "4GiB",
+                 "--dry-run"]) == 0
+
+
+@pytest.mark.gpu
+def test_cells_side_by_side_on_one_gpu_record_that_they_shared_it(tmp_path):
+    """Two cells at once on GPU 0 (--cells-per-gpu 2): each saw the other (where NVML lists
+    processes), and the reports leave their times out."""
+    from memstudy.report.data import load_runs, step_time
+
+    gpu_base = {**BASE, "train": {**BASE["train"], "device": "cuda", "epochs": 3},
+                "data": {"train_images": 4, "val_images": 1}}
+    spec = spec_from_dict({"image_sizes": [256], "seeds": [0, 2], "base": gpu_base})
+    result = run_grid(spec, tmp_path / "r.sqlite", gpus=["0"], per_gpu=2)
+    assert set(result.outcomes.values()) == {"ok"}
+    runs = load_runs(tmp_path / "r.sqlite")
+    seen = [r["metrics"]["run"].get("gpu_other_processes") for r in runs]
+    if seen == [None, None]:
+        pytest.skip("NVML lists no process on this GPU (not even the cell's own)")
+    # at least each other (the test's own process may hold a context on the GPU too)
+    assert all(n is not None and n >= 1 for n in seen), seen
+    assert [step_time(r) for r in runs] == [None, None]
+
+
 @pytest.mark.gpu
 def test_gpu_cells_spread_over_visible_gpus(tmp_path):
     import torch

@@ -106,6 +106,107 @@ def test_allocator_tensor_meter_and_nvml_agree_on_cuda(make_config):
         assert m[(phase, "alloc_retries")] == 0  # recorded per phase; no cap, no retry
 
 
+# -- other processes on the GPU ------------------------------------------------------------
+class _Process:
+    def __init__(self, pid: int):
+        self.pid = pid
+
+
+def test_gpu_neighbours_keep_the_most_other_processes_seen(monkeypatch):
+    """NVML lists this process too; an empty list or an NVML error says nothing (unknown)."""
+    import pynvml
+
+    from memstudy.meters.nvml import GpuNeighbours
+
+    listed: list = []
+
+    def processes(handle):
+        if listed == ["error"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [_Process(pid) for pid in listed]
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", processes)
+    seen = GpuNeighbours(handle=None)
+    for now, most in (([], None), (["error"], None), ([7], 0), ([7, 8, 9], 2), ([7], 2),
+                      (["error"], 2)):
+        listed[:] = now
+        seen.look()
+        assert seen.most == most, now
+
+
+def test_the_recorder_records_other_processes_it_looked_at(monkeypatch):
+    """A measured phase looks, and the run's summary carries the most seen; a recorder that
+    never learnt anything records nothing (not a 0 that would claim the GPU was free)."""
+    from memstudy.meters.nvml import GpuNeighbours
+
+    counts = iter([0, 2, 1])
+
+    def look(self):
+        self.most = max(self.most or 0, next(counts))
+
+    monkeypatch.setattr(GpuNeighbours, "look", look)
+    rec = PhaseRecorder(torch.device("cpu"), torch.nn.Linear(2, 2), None, lambda: None,
+                        MeterConfig(tensor="off", nvml=False))
+    assert "gpu_other_processes" not in rec.summary()["run"]
+    rec.neighbours = GpuNeighbours(handle=None)
+    assert "gpu_other_processes" not in rec.summary()["run"]
+    for _ in range(3):
+        rec.look_at_gpu()
+    assert rec.summary()["run"]["gpu_other_processes"] == 2
+
+
+def test_memstudy_run_says_when_the_gpu_was_shared():
+    from memstudy.cli import summarize
+    from memstudy.store import RunRecord
+
+    def record(others):
+        metrics = [] if others is None else [(0, "run", "gpu_other_processes", others)]
+        return RunRecord(config={"train": {"image_size": 256, "batch_size": 1}, "world_size": 1},
+                         config_hash="h", name="original", status="ok",
+                         env={"device": "cuda:0", "gpu_name": "Test GPU"}, started_at=0.0,
+                         metrics=metrics)
+
+    assert "the GPU was shared: 2 other process(es)" in summarize(record(2))
+    assert "shared" not in summarize(record(0)) and "shared" not in summarize(record(None))
+
+
+def test_the_training_loop_looks_at_the_gpu_after_every_epoch(make_config, monkeypatch):
+    """Cells that share a GPU may start after a run's metered steps: the loop looks at each
+    epoch's end too (3 epochs of 1 step, only the first step measured: 3 phases + 3 epochs)."""
+    looks = []
+    monkeypatch.setattr(PhaseRecorder, "look_at_gpu", lambda self: looks.append(1))
+    cfg = make_config(192, epochs=3, warmup_steps=0, measure_steps=1, validate=False)
+    cfg.data.train_images = 1
+    assert execute(cfg, db=None).status == "ok"
+    assert len(looks) == 3 + 3
+
+
+@pytest.mark.gpu
+def test_a_run_beside_another_process_on_its_gpu_says_so(make_config):
+    """Another process holding a CUDA context on the GPU is seen (gpu_other_processes >= 1);
+    alone, the count is 0."""
+    import subprocess
+    import sys
+    import time
+
+    cfg = make_config(256, device="cuda", warmup_steps=1, measure_steps=1, validate=False)
+    alone = execute(cfg, db=None)
+    m = {(p, n): v for _, p, n, v in alone.metrics}
+    if ("run", "gpu_other_processes") not in m:
+        pytest.skip("NVML lists no process on this GPU (not even this one)")
+    other = subprocess.Popen([sys.executable, "-c", "import torch, time; torch.zeros(1, device='cuda'); "
+                              "print('ready', flush=True); time.sleep(120)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        beside = execute(cfg, db=None)
+    finally:
+        other.kill()
+    assert m[("run", "gpu_other_processes")] == 0
+    assert {(p, n): v for _, p, n, v in beside.metrics}[("run", "gpu_other_processes")] >= 1
+
+
 # -- per-phase peaks of a network small enough to count by hand ----------------------------
 B, IN, OUT, F32 = 8, 256, 128, 4  # batch, Linear in / out features, bytes per float32
 

@@ -18,9 +18,10 @@ CATS = {"cat_params_bytes": 100, "cat_optimizer_bytes": 200}
 
 def gpu_run(db: ResultsDB, name: str, size: int, fwd_mb: float, step_s: float,
             val: float | None = None, seed: int = 0, budget: str | None = None,
-            status: str = "ok") -> None:
+            status: str = "ok", others: int | None = None) -> None:
     """A CUDA run as the runner stores it: allocator figures per phase (start 300 MB, the
-    forward's increment `fwd_mb`, backward and step smaller), categories, one epoch."""
+    forward's increment `fwd_mb`, backward and step smaller), categories, one epoch;
+    `others`: the other processes it saw on its GPU (gpu_other_processes)."""
     metrics = []
     for phase, inc, grads in (("forward", fwd_mb, 0), ("backward", fwd_mb / 2, 100), ("step", 50, 0)):
         metrics += [(0, phase, "alloc_start_bytes", 300 * MB), (0, phase, "alloc_peak_bytes", inc * MB),
@@ -28,6 +29,8 @@ def gpu_run(db: ResultsDB, name: str, size: int, fwd_mb: float, step_s: float,
                     (0, phase, "cat_saved_bytes", (fwd_mb / 2 if phase == "forward" else 0) * MB)]
         metrics += [(0, phase, k, v * MB) for k, v in CATS.items()]
     metrics.append((0, "run", "step_time_s", step_s))
+    if others is not None:
+        metrics.append((0, "run", "gpu_other_processes", others))
     env = {"device": "cuda:0", "gpu_name": GPU}
     if budget:
         env["cuda_context_bytes"] = CONTEXT_MB * MB
@@ -92,6 +95,22 @@ def test_seed_spread_is_mean_std_and_n(db):
     assert "step s std" in header  # raw formats give the spread its own column
     line = next(r for r in rows if r[header.index("techniques")] == "original")
     assert float(line[header.index("step s std")]) == pytest.approx(0.01)
+
+
+def test_a_run_on_a_shared_gpu_keeps_its_memory_and_loses_its_time(db):
+    """A fourth original seed that saw another process on its GPU (and took 5 s a step) is
+    counted, its memory too, but its time is in no table, decision or prediction."""
+    gpu_run(db, "original", 512, 700, 5.0, 0.30, seed=3, others=1)
+    gpu_run(db, "amp", 512, 400, 0.06, 0.31, seed=3, others=0)  # looked, and had it alone
+    (orig,) = [r for r in report.pareto(db) if r["name"] == "original"]
+    assert orig["runs"] == 4 and orig["step_time_s"] == pytest.approx(0.11)
+    assert orig["step_time_s_std"] == pytest.approx(0.01)
+    (amp,) = [r for r in report.pareto(db) if r["name"] == "amp" and r["image_size"] == 512]
+    assert amp["runs"] == 4 and amp["step_time_s_std"] == pytest.approx(0.0)  # its 4 times count
+    small = decision(report.decisions(db, report.budgets_found(db)), "2GiB", 512)
+    assert small["time_vs_original"] == pytest.approx(0.06 / 0.11)
+    (table_row,) = [r for r in report.phase_memory(db, 512) if r["name"] == "original"]
+    assert table_row["step_time_s"] == pytest.approx(0.11) and table_row["forward_mb"] == pytest.approx(700)
 
 
 def test_pareto_marks_the_sets_no_other_beats_on_memory_and_time(db):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from memstudy.errors import ConfigError
 from memstudy.grid import claims
 from memstudy.grid.cells import CRASHED, KILLED, CellProcess, cache_images
 from memstudy.grid.claims import Holder, Runner
@@ -41,13 +42,16 @@ def visible_gpus() -> list[str]:
 
 def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
              progress: Callable[[str], None] | None = None, poll_s: float = 0.2,
-             retry: frozenset[str] = frozenset()) -> GridResult:
+             retry: frozenset[str] = frozenset(), per_gpu: int = 1) -> GridResult:
     """Run every valid, unrecorded cell (and those whose last attempt is of a kind in `retry`,
     e.g. {'error', 'timeout'}: a new attempt, the earlier one kept); each GPU cell on its own
-    disjoint set of GPUs (as many as it needs: `gpus_needed`), CPU cells one at a time."""
+    disjoint set of GPUs (as many as it needs: `gpus_needed`), or with `per_gpu` > 1 that
+    many cells side by side on each GPU (their records say so: gpu_other_processes, and the
+    reports leave their times out); CPU cells one at a time."""
     progress = progress or (lambda _msg: None)
     runner = Runner.this_process()
     cells = expand(spec)
+    check_sharing(cells, per_gpu)
     result = GridResult(cells)
     db = ResultsDB(db_path)
     attempts = claims.latest_attempts(db)
@@ -65,9 +69,23 @@ def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
         progress(f"[{index}/{len(cells)}] {why}")
     if cached := cache_images([cell.config for cell in todo], db_path):
         progress(cached)
-    _Scheduler(result, todo, GpuSlots(pool), db, spec.timeout_s, progress, poll_s,
+    _Scheduler(result, todo, GpuSlots(pool, per_gpu), db, spec.timeout_s, progress, poll_s,
                runner, retry).run()
     return result
+
+
+def check_sharing(cells: list[Cell], per_gpu: int) -> None:
+    """Cells may share a GPU (`per_gpu` > 1) only without a memory budget: a budget caps the
+    allocator at the budget less the CUDA context, which it measures from the device's used
+    memory, and the other cells' memory would be taken for context."""
+    if per_gpu < 1:
+        raise ConfigError(f"--cells-per-gpu {per_gpu}: give 1 or more")
+    budgeted = [c for c in cells if c.config.budget and c.config.train.device != "cpu"]
+    if per_gpu > 1 and budgeted:
+        raise ConfigError(f"--cells-per-gpu {per_gpu} with a memory budget ({budgeted[0].describe()}: "
+                          f"budget {budgeted[0].config.budget}): a budget measures the CUDA "
+                          "context from the GPU's used memory, which cells beside it would add "
+                          "to; run budgeted cells with --cells-per-gpu 1")
 
 
 def check_gpu_needs(cells: list[Cell], gpus: list[str] | None) -> list[str]:
@@ -90,39 +108,45 @@ def too_few_gpus(cell: Cell, pool: list[str], from_flag: bool) -> str:
 
 
 class GpuSlots:
-    """Disjoint GPU sets for running cells. A cell needing n GPUs takes n free ids (its
-    CUDA_VISIBLE_DEVICES) or waits; a CPU cell (n = 0) takes the single CPU slot, so CPU
-    timings never compete with another CPU cell."""
+    """Seats on GPUs for running cells: `per_gpu` cells at once on each GPU (1: a GPU is a
+    cell's alone). A cell needing n GPUs takes a seat on n distinct GPUs (its
+    CUDA_VISIBLE_DEVICES), those with the most free seats first, or waits; a CPU cell (n = 0)
+    takes the single CPU slot, so CPU timings never compete with another CPU cell."""
 
-    def __init__(self, gpus: list[str]):
-        self.gpus = list(gpus)
-        self.free = list(gpus)
+    def __init__(self, gpus: list[str], per_gpu: int = 1):
+        self.gpus, self.per_gpu = list(gpus), per_gpu
+        self.seats = {g: per_gpu for g in self.gpus}  # free seats per GPU
         self.cpu_free = True
 
     def take(self, n: int) -> list[str] | None:
-        """n free GPU ids (in their listed order), [] for the CPU slot, None if it must wait."""
+        """n GPU ids (the emptiest first, then in listed order), [] for the CPU slot, None if
+        the cell must wait."""
         if n == 0:
             if not self.cpu_free:
                 return None
             self.cpu_free = False
             return []
-        if n > len(self.free):
+        free = sorted((g for g in self.gpus if self.seats[g]), key=lambda g: -self.seats[g])
+        if n > len(free):
             return None
-        taken, self.free = self.free[:n], self.free[n:]
+        taken = sorted(free[:n], key=self.gpus.index)
+        for g in taken:
+            self.seats[g] -= 1
         return taken
 
     def give(self, ids: list[str]) -> None:
         if not ids:
             self.cpu_free = True
             return
-        if set(ids) & set(self.free):
+        if any(self.seats[g] == self.per_gpu for g in ids):
             raise RuntimeError(f"GPUs {ids} given back twice")
-        self.free = [g for g in self.gpus if g in self.free or g in ids]
+        for g in ids:
+            self.seats[g] += 1
 
     @property
     def width(self) -> int:
         """Cells that can run at once (for the time-left estimate)."""
-        return max(1, len(self.gpus))
+        return max(1, len(self.gpus) * self.per_gpu)
 
 
 class _Scheduler:

@@ -74,9 +74,7 @@ class EnergyCounter:
             return None
         import pynvml
 
-        pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        handle = device_handle(device)
         try:
             pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
         except pynvml.NVMLError_NotSupported:
@@ -94,3 +92,41 @@ class EnergyCounter:
     def joules(self) -> float | None:
         """Joules since `start` (None if it was never started)."""
         return None if self.start_mj is None else (self.read_mj() - self.start_mj) / 1e3
+
+
+def device_handle(device: torch.device):
+    """NVML's handle of a CUDA device, found by its UUID (CUDA_VISIBLE_DEVICES renumbers the
+    indices, not the UUIDs)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+
+
+class GpuNeighbours:
+    """The most other processes seen holding a CUDA context on this run's GPU: NVML's compute
+    processes of the device but this one. Their kernels share the GPU's time, so a run that
+    saw any has step and epoch times that are not its own (and an NVML peak that includes
+    their memory); its allocator figures are its own. `look` is cheap (one NVML query) and is
+    called at every measured phase and epoch end, never inside a timed step."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.most: int | None = None  # None: NVML listed no process here, not even this one
+
+    @classmethod
+    def open(cls, device: torch.device) -> "GpuNeighbours | None":
+        return cls(device_handle(device)) if device.type == "cuda" else None
+
+    def look(self) -> None:
+        import pynvml
+
+        try:
+            processes = pynvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        except pynvml.NVMLError:  # not supported here (some virtualised GPUs): stays unknown
+            return
+        # this process holds a context on the device, so an empty list means NVML cannot list
+        # processes here (a container without access to them), not that the GPU is free
+        if processes:
+            self.most = max(self.most or 0, len(processes) - 1)

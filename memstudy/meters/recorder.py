@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from memstudy.config import MeterConfig
-from memstudy.meters.nvml import NvmlSampler
+from memstudy.meters.nvml import GpuNeighbours, NvmlSampler
 from memstudy.meters.loss import LossMeter
 from memstudy.meters.tensor import LiveTensorMeter, storage_key, unique_storage_bytes
 from memstudy.phases import PHASES
@@ -40,11 +40,15 @@ def alloc_retries(device: torch.device) -> int:
 class PhaseRecorder:
     def __init__(self, device: torch.device, model: nn.Module, runtime: Runtime,
                  optimizer: Callable[[], torch.optim.Optimizer | None], cfg: MeterConfig,
-                 cpu_limit_bytes: int | None = None):
+                 cpu_limit_bytes: int | None = None, single_process: bool = True):
         self.device, self.model, self.runtime, self.optimizer = device, model, runtime, optimizer
         self.cuda = device.type == "cuda"
         self.tensor_meter_on = cfg.tensor == "on" or (cfg.tensor == "auto" and not self.cuda)
         self.nvml = NvmlSampler(device, cfg.nvml_interval_ms / 1e3) if self.cuda and cfg.nvml else None
+        # other processes on the GPU; not for a distributed run, whose own ranks may hold
+        # contexts on each other's GPUs (`single_process`: the run is one process)
+        self.neighbours = (GpuNeighbours.open(device) if self.cuda and cfg.nvml and single_process
+                           else None)
         self.measured: dict[str, list[dict[str, float]]] = defaultdict(list)
         self.first_step_time: float | None = None  # the run's first training step, warm-up or not
         self.step_times: dict[bool, list[float]] = {True: [], False: []}  # by measured or not
@@ -152,6 +156,11 @@ class PhaseRecorder:
         self._after(name, rec)
         self.measured[name].append(rec)
 
+    def look_at_gpu(self) -> None:
+        """Count the other processes on the GPU now (measured phases, epoch ends)."""
+        if self.neighbours is not None:
+            self.neighbours.look()
+
     def close(self) -> None:
         if self.nvml is not None:
             self.nvml.close()
@@ -168,6 +177,7 @@ class PhaseRecorder:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.nvml is not None:
             rec["nvml_start_bytes"] = self.nvml.phase_start()
+        self.look_at_gpu()
         if self._meter is not None:
             self._meter.reset_peak()
             rec["tensor_start_bytes"] = self._meter.current
@@ -294,6 +304,8 @@ class PhaseRecorder:
             run["nvml_peak_total_bytes"] = max(nvml)
         if self.cuda:  # near a budget the allocator frees its cache and retries: slow steps
             run["alloc_retries"] = alloc_retries(self.device)
+        if self.neighbours is not None and self.neighbours.most is not None:
+            run["gpu_other_processes"] = self.neighbours.most
         return run
 
 

@@ -24,6 +24,24 @@ def open_db(db: str | Path | ResultsDB) -> ResultsDB:
     return ResultsDB(db, create=False)  # a report reads: it adds nothing to the file
 
 
+def gpu_shared(run: dict[str, Any]) -> bool:
+    """Another process held a CUDA context on the run's GPU while it ran (metric
+    `gpu_other_processes`, memstudy.meters.nvml.GpuNeighbours): its times are not its own."""
+    return bool(run["metrics"].get("run", {}).get("gpu_other_processes"))
+
+
+def step_time(run: dict[str, Any]) -> float | None:
+    """The run's step time in seconds; None where its GPU was shared (`gpu_shared`): the
+    reports compare only times of runs that had their GPU to themselves (their memory figures,
+    from the run's own allocator, stay)."""
+    return None if gpu_shared(run) else run["metrics"].get("run", {}).get("step_time_s")
+
+
+def epoch_time(run: dict[str, Any]) -> float | None:
+    """The time of the run's last epoch (rank 0) in seconds; None where its GPU was shared."""
+    return None if gpu_shared(run) else (run["last_epoch"] or {}).get("time_s")
+
+
 def device_of(run: dict[str, Any]) -> str:
     """The device a run is reported under: its GPU's name, else 'cpu' (or the device string)."""
     return run["gpu_name"] or ("cpu" if run["device"].startswith("cpu") else run["device"])

@@ -31,7 +31,7 @@ from typing import Any
 
 from memstudy.bytesize import mb, parse_bytes
 from memstudy.report.data import (TRAIN_PHASES, device_of, did_not_train, load_maxres,
-                                  load_runs, open_db, phase_peak)
+                                  load_runs, open_db, phase_peak, step_time)
 from memstudy.report.tables import spread
 from memstudy.sizes import size_hw, size_sort_key
 from memstudy.store import NOT_TRAINED, describe_outcome
@@ -91,7 +91,7 @@ def candidates(db) -> Rows:
 def _candidate(runs: Rows, context_by_gpu: dict[str, float]) -> dict[str, Any]:
     first, ok = runs[0], [r for r in runs if r["status"] == "ok"]
     peaks = [absolute_peak(r, context_by_gpu) for r in ok]
-    step = spread([r["metrics"].get("run", {}).get("step_time_s") for r in ok])
+    step = spread([step_time(r) for r in ok])
     # memory and time hold for every finished seed; quality only for the seeds that trained
     val = spread([(r["last_epoch"] or {}).get("val_loss") for r in ok if not did_not_train(r)])
     failed = [r for r in runs if r["status"] != "ok"]

@@ -12,8 +12,8 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
 
-from memstudy.report.data import (TRAIN_PHASES, device_of, did_not_train, load_maxres, load_runs,
-                                  phase_peak)
+from memstudy.report.data import (TRAIN_PHASES, device_of, did_not_train, epoch_time, load_maxres,
+                                  load_runs, phase_peak, step_time)
 from memstudy.sizes import size_sort_key
 from memstudy.store import NOT_TRAINED, ResultsDB, describe_outcome
 from memstudy.bytesize import mb
@@ -96,9 +96,8 @@ def phase_memory(db: DB, image_size: int | None = None) -> Rows:
         for phase in TRAIN_PHASES:
             row[f"{phase}_mb"] = mb(_avg([phase_peak(r["metrics"].get(phase, {})) for r in ok]))
         row["peak_total_mb"] = mb(_avg([max(r["peaks"].values(), default=None) for r in ok]))
-        row.update(_spread_of("step_time_s",
-                              [r["metrics"].get("run", {}).get("step_time_s") for r in ok]))
-        row["epoch_time_s"] = _avg([(r["last_epoch"] or {}).get("time_s") for r in ok])
+        row.update(_spread_of("step_time_s", [step_time(r) for r in ok]))
+        row["epoch_time_s"] = _avg([epoch_time(r) for r in ok])
         rows.append(row)
     return sorted(rows, key=_key)
 
