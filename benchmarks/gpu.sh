@@ -3,11 +3,11 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (at most 8 files come back from a remote GPU machine).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
-# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS (e.g. "--sizes 2048")
+# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS / PAPER_ARGS (e.g. "--sizes 2048")
 # replace a benchmark's arguments. Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,6 +93,13 @@ for item in $STEPS; do
         compress-offload) $PY benchmarks/bench_compress.py --part offload --out "$RES/compress" ${COMPRESSOFFLOAD_ARGS:---sizes 4160} 2>&1 | tee -a "$RES/compress.log" ;;
         # the MS-SSIM loss: pytorch-msssim vs the chunked default, alone and in memstudy's step
         loss) $PY benchmarks/bench_loss.py --out "$RES/loss" ${LOSS_ARGS:-} 2>&1 | tee "$RES/loss.log" ;;
+        # the study's protocol (docs/paper.md), resuming a copy of PAPER_DB (default: the H100
+        # database; on another GPU name its own); PAPER_ARGS e.g. "--cells-per-gpu 4" for seeds
+        # whose answer is loss and memory. An interrupted grid keeps every recorded cell.
+        paper) mkdir -p "$RES/paper"
+            cp "${PAPER_DB:-benchmarks/results/h100/paper/paper-protocol-512px.sqlite}" "$RES/paper/paper-protocol-512px.sqlite" || continue
+            $PY -m memstudy --db "$RES/paper/paper-protocol-512px.sqlite" grid benchmarks/specs/paper-protocol.toml ${PAPER_ARGS:-} 2>&1 | tee "$RES/paper/grid.log"
+            python3 benchmarks/bench_paper.py "$RES/paper/paper-protocol-512px.sqlite" --format md > "$RES/paper/tables.md" 2>&1 ;;
         compress-quality) $PY benchmarks/bench_compress.py --part quality --out "$RES/compress" ${COMPRESSQUALITY_ARGS:-} 2>&1 | tee -a "$RES/compress.log" ;;
         *) echo "unknown step $step" ;;
     esac
