@@ -127,11 +127,28 @@ def test_gpu_neighbours_keep_the_most_other_processes_seen(monkeypatch):
 
     monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", processes)
     seen = GpuNeighbours(handle=None)
+    # pids of another namespace (this process's own is not listed): all but one are others
     for now, most in (([], None), (["error"], None), ([7], 0), ([7, 8, 9], 2), ([7], 2),
                       (["error"], 2)):
         listed[:] = now
         seen.look()
         assert seen.most == most, now
+    # this process's own pid listed: it and the processes it started are not others
+    import os
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        listed[:] = [os.getpid(), child.pid]
+        mine = GpuNeighbours(handle=None)
+        mine.look()
+        assert mine.most == 0
+        listed[:] = [os.getpid(), child.pid, os.getppid()]  # the test's parent did not start from it
+        mine.look()
+        assert mine.most == 1
+    finally:
+        child.kill()
 
 
 def test_the_recorder_records_other_processes_it_looked_at(monkeypatch):

@@ -8,8 +8,10 @@ thread sleeps on an event without waking up, so plain steps share the CPU with n
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -106,7 +108,7 @@ def device_handle(device: torch.device):
 
 class GpuNeighbours:
     """The most other processes seen holding a CUDA context on this run's GPU: NVML's compute
-    processes of the device but this one. Their kernels share the GPU's time, so a run that
+    processes of the device but this one and those it started (`_others`). Their kernels share the GPU's time, so a run that
     saw any has step and epoch times that are not its own (and an NVML peak that includes
     their memory); its allocator figures are its own. `look` is cheap (one NVML query) and is
     called at every measured phase and epoch end, never inside a timed step."""
@@ -129,4 +131,28 @@ class GpuNeighbours:
         # this process holds a context on the device, so an empty list means NVML cannot list
         # processes here (a container without access to them), not that the GPU is free
         if processes:
-            self.most = max(self.most or 0, len(processes) - 1)
+            self.most = max(self.most or 0, _others(p.pid for p in processes))
+
+
+def _others(pids) -> int:
+    """How many of the listed processes are neither this one nor started by it (a compiler's
+    worker, say). NVML gives host pids: where this process's own pid is not among them (another
+    pid namespace), every process but one is counted."""
+    pids, me = list(pids), os.getpid()
+    if me not in pids:
+        return len(pids) - 1
+    return sum(not _descends_from(pid, me) for pid in pids)
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """`pid` is `ancestor` or one of its descendants (Linux /proc; elsewhere only itself)."""
+    seen = 0
+    while pid > 1 and seen < 64:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid, seen = int(stat.rsplit(")", 1)[1].split()[1]), seen + 1
+    return pid == ancestor
