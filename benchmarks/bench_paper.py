@@ -22,7 +22,7 @@ Total (forward + backward). A two-GPU run's phase figures are the mean over its 
 (the paper's per-GPU "average"); its losses and epoch time are rank 0's (model parallel:
 rank 0 logs the loss rank 1 computed). A set with no run prints "not measured".
 
-    python benchmarks/bench_paper.py results/paper.sqlite [--format md] [--gpu H100]
+    python benchmarks/bench_paper.py results/paper.sqlite [--format md] [--gpu H100] [--figure f2.png]
     python benchmarks/bench_paper.py results/paper-2gpu.sqlite --original results/paper.sqlite
     python benchmarks/bench_paper.py --estimate benchmarks/results/h200/technique-grid/gpu.sqlite
 
@@ -39,7 +39,7 @@ from pathlib import Path
 from memstudy.bytesize import mb
 from memstudy.grid import expand, load_spec
 from memstudy.report.data import (device_of, did_not_train, gpu_shared, load_runs, open_db,
-                                  phase_peak)
+                                  phase_peak, step_time)
 from memstudy.report.tables import spread
 from memstudy.text_table import render_table
 
@@ -172,21 +172,57 @@ def epoch_cells(runs: list[dict], paper: dict) -> list[str]:
     return [cell, _published(paper, "epoch_s")]
 
 
-def figure2(part: dict, by_set: dict) -> tuple[list[str], list[list]]:
-    """Memory of each set as a ratio to original's, per phase: the study's Figure 2 at 512 px,
+FIGURE2_PHASES = ("forward", "backward")
+
+
+def figure2_ratios(part: dict, by_set: dict) -> list[tuple[str, str, dict]]:
+    """Per set: (paper's label, techniques, {phase: (ours, paper's)}), each a ratio of the
+    phase's MB to original's (None where either is missing): the study's Figure 2 at 512 px,
     whose bars are its Table 2's MB over original's."""
     base = part["original"]
-    rows = []
+    out = []
     for name, paper in part.items():
-        row = [paper["paper"], name]
-        for phase in ("forward", "backward"):
-            ours, ref = phase_mb(by_set.get(name, []), phase)[0], phase_mb(by_set.get("original", []), phase)[0]
-            row.append("-" if ours is None or not ref else f"{ours / ref:.2f}")
+        ratios = {}
+        for phase in FIGURE2_PHASES:
+            ours = phase_mb(by_set.get(name, []), phase)[0]
+            ref = phase_mb(by_set.get("original", []), phase)[0]
             key = f"{phase}_mb"
-            row.append(f"{paper[key] / base[key]:.2f}" if key in paper else "-")
-        rows.append(row)
+            ratios[phase] = (ours / ref if ours is not None and ref else None,
+                             paper[key] / base[key] if key in paper else None)
+        out.append((paper["paper"], name, ratios))
+    return out
+
+
+def figure2(part: dict, by_set: dict) -> tuple[list[str], list[list]]:
+    """Figure 2 as a table: each phase's ratio, ours beside the paper's."""
+    rows = [[label, name, *("-" if v is None else f"{v:.2f}" for phase in FIGURE2_PHASES
+                            for v in ratios[phase])]
+            for label, name, ratios in figure2_ratios(part, by_set)]
     return (["paper", "techniques", "Forward / original", "paper Forward", "Backward / original",
              "paper Backward"], rows)
+
+
+def figure2_chart(ratios: list[tuple[str, str, dict]], gpu: str):
+    """Figure 2 drawn: per phase a panel, per set our bar beside the paper's (hatched); a set
+    without a value has no bar there, named under the axis all the same."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4.2), dpi=100, layout="constrained")
+    axes = fig.subplots(1, len(FIGURE2_PHASES), sharey=True)
+    xs = range(len(ratios))
+    for ax, phase in zip(axes, FIGURE2_PHASES):
+        ours = [r[phase][0] if r[phase][0] is not None else float("nan") for _l, _n, r in ratios]
+        paper = [r[phase][1] if r[phase][1] is not None else float("nan") for _l, _n, r in ratios]
+        ax.bar([x - 0.2 for x in xs], ours, 0.4, label=f"memstudy, {gpu}", color="tab:blue")
+        ax.bar([x + 0.2 for x in xs], paper, 0.4, label="paper (RTX 2060)", color="white",
+               edgecolor="tab:gray", hatch="//")
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(list(xs), [label for label, _n, _r in ratios], rotation=35, ha="right",
+                      fontsize=8)
+        ax.set_title(f"{phase.capitalize()}: memory / Original's, 512 px")
+    axes[0].set_ylabel("ratio to Original")
+    axes[0].legend(fontsize=8)
+    return fig
 
 
 def _published(paper: dict, key: str) -> str:
@@ -206,7 +242,7 @@ def estimate(db: str, gpu: str | None) -> str:
     cells = [c for c in expand(load_spec(SPEC)) if not c.error or "no CUDA GPU" in c.error]
     times: dict[str, list[float]] = {}
     for run in load_runs(db, probes=True):
-        step = run["metrics"].get("run", {}).get("step_time_s")
+        step = step_time(run)
         if (run["image_size"] == 512 and run["batch_size"] == 1 and run["status"] == "ok" and step
                 and (gpu is None or gpu.lower() in device_of(run).lower())):
             times.setdefault(run["name"], []).append(step)
@@ -250,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", help="only runs of this GPU (part of its name)")
     p.add_argument("--original", metavar="DB", help="take Original's runs from this database "
                    "(e.g. the one-GPU one when DB holds the two-GPU runs)")
+    p.add_argument("--figure", metavar="PNG", help="also draw Figure 2 (ours beside the "
+                   "paper's) into this PNG file")
     p.add_argument("--estimate", action="store_true", help="print the protocol's run time "
                    "from the 512 px step times in DB; read no paper-protocol runs")
     args = p.parse_args(argv)
@@ -273,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         print(title)
         print(render_table(headers, rows, args.format))
         print()
+    if args.figure:
+        chart = figure2_chart(figure2_ratios(published["table2"], by_set), ", ".join(gpus))
+        chart.savefig(args.figure, format="png")
     return 0
 
 

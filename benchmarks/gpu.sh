@@ -99,7 +99,7 @@ for item in $STEPS; do
         paper) mkdir -p "$RES/paper"
             cp "${PAPER_DB:-benchmarks/results/h100/paper/paper-protocol-512px.sqlite}" "$RES/paper/paper-protocol-512px.sqlite" || continue
             $PY -m memstudy --db "$RES/paper/paper-protocol-512px.sqlite" grid benchmarks/specs/paper-protocol.toml ${PAPER_ARGS:-} 2>&1 | tee "$RES/paper/grid.log"
-            python3 benchmarks/bench_paper.py "$RES/paper/paper-protocol-512px.sqlite" --format md > "$RES/paper/tables.md" 2>&1 ;;
+            python3 benchmarks/bench_paper.py "$RES/paper/paper-protocol-512px.sqlite" --format md --figure "$RES/paper/figure2.png" > "$RES/paper/tables.md" 2>&1 ;;
         compress-quality) $PY benchmarks/bench_compress.py --part quality --out "$RES/compress" ${COMPRESSQUALITY_ARGS:-} 2>&1 | tee -a "$RES/compress.log" ;;
         *) echo "unknown step $step" ;;
     esac

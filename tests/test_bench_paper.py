@@ -6,6 +6,7 @@ import copy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
@@ -125,6 +126,25 @@ def test_figure2_is_memory_over_originals(tmp_path, capsys):
     amp = next(row for row in figure.splitlines() if "amp:fp16 " in row)
     assert amp.split()[2:6] == ["0.25", "0.64", "1.00", "0.23"]  # ours, paper's (481.28 / 757.76)
     assert "- " in next(row for row in figure.splitlines() if "invertible " in row)
+
+
+def test_figure2_drawn_holds_the_tables_ratios(tmp_path):
+    db = ResultsDB(tmp_path / "paper.sqlite")
+    paper_run(db, "original", 0, 0.06, fwd_mb=400)
+    paper_run(db, "amp:fp16", 0, 0.06, fwd_mb=100)
+    published = bench_paper.tomllib.loads(bench_paper.PUBLISHED.read_text())
+    ratios = {name: r for _label, name, r in
+              bench_paper.figure2_ratios(published["table2"], bench_paper.runs_by_set(str(db.path), None))}
+    assert ratios["amp:fp16"]["forward"] == pytest.approx((0.25, 481.28 / 757.76))
+    assert ratios["invertible"]["forward"][0] is None  # not measured: no bar of ours
+    fig = bench_paper.figure2_chart(list(bench_paper.figure2_ratios(
+        published["table2"], bench_paper.runs_by_set(str(db.path), None))), "Test GPU")
+    ours = fig.axes[0].containers[0]  # forward panel, our bars in the published order
+    names = list(published["table2"])
+    assert ours[names.index("amp:fp16")].get_height() == pytest.approx(0.25)
+    out = tmp_path / "f2.png"
+    assert bench_paper.main([str(db.path), "--figure", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_2gpu_specs_are_the_papers_protocol_on_two_gpus():
