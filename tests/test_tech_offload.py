@@ -225,6 +225,57 @@ def test_with_checkpoint_only_tensors_outside_regions_are_offloaded(model_and_pl
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(plain, grads))
 
 
+class _FakeStream:
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def wait_stream(self, other):
+        self.calls.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event):
+        self.calls.append(("wait_event", self.name, event))
+
+
+class _FakeEvent:
+    def record(self, stream):
+        pass
+
+
+@pytest.mark.parametrize("release", ["record", "stream"])
+def test_a_copied_tensor_is_released_after_its_copy(monkeypatch, release):
+    """The copy to the host reads the device tensor on a side stream. record: the tensor is
+    marked used by that stream (record_stream); stream: nothing then, but when the tensor is
+    freed the compute stream waits for the copy's event before its memory can be reused. CUDA
+    streams and events are stood in for (they need a GPU; the gpu tests run the real ones)."""
+    import contextlib
+    import gc
+
+    calls: list = []
+    compute = _FakeStream("compute", calls)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: _FakeEvent())
+    marked: list = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: marked.append(stream.name))
+    off = Offloader(CPU, CPU, min_bytes=0, release=release)
+    off.stream = _FakeStream("side", calls)
+    t = torch.rand(64, 64)
+    host = off.pack(t)
+    event = host._memstudy_offloaded[1]
+    assert isinstance(event, _FakeEvent) and torch.equal(host, t)
+    assert ("wait_event", "compute", event) not in calls  # t is alive: nothing to wait for yet
+    del t
+    gc.collect()
+    waited = ("wait_event", "compute", event) in calls
+    assert (marked, waited) == ((["side"], False) if release == "record" else ([], True))
+    assert torch.equal(off.unpack(host), host)
+
+
+def test_release_must_be_record_or_stream():
+    with pytest.raises(ConfigError, match=r"release='later' is not one of \['record', 'stream'\]"):
+        TECH.parse(["release=later"])
+
+
 # -- on a GPU ------------------------------------------------------------------------------
 def _forward(record):
     return {name: v for _, phase, name, v in record.metrics if phase == "forward"}

@@ -76,6 +76,7 @@ from memstudy.techniques.base import Build, Plan, Stage, Technique
 # attribute on a host copy: (compute device, copy event, index, read by rows)
 OFFLOADED = "_memstudy_offloaded"
 WHICH = ("all", "boundaries")
+RELEASE = ("record", "stream")
 
 
 @dataclass
@@ -97,6 +98,12 @@ class Options:
         "help": "the last N tensors a forward would offload stay on the device instead: "
                 "backward needs them first, so their round trip over PCIe only adds traffic "
                 "(from the second step on, once a step's count of saved tensors is known)"})
+    release: str = field(default="record", metadata={
+        "choices": RELEASE,
+        "help": "record: a tensor copied to the host keeps its device memory until the caching "
+                "allocator sees the copy done (record_stream); stream: when the tensor is freed, "
+                "the compute stream waits for the copy (an event, no host sync) and the memory "
+                "is reusable at once"})
     which: str = field(default="all", metadata={
         "choices": WHICH,
         "help": "all: every saved tensor above min_bytes; boundaries: only the tensors "
@@ -108,8 +115,10 @@ class Offloader:
 
     def __init__(self, compute: torch.device, host: torch.device = torch.device("cpu"),
                  min_bytes: int = 64 * 1024, pin_memory: bool = False, prefetch: int = 0,
-                 boundaries_only: bool = False, row_chunks: int = 0, hold: int = 0):
+                 boundaries_only: bool = False, row_chunks: int = 0, hold: int = 0,
+                 release: str = "record"):
         self.compute, self.host = _indexed(torch.device(compute)), torch.device(host)
+        self.release = release
         self.min_bytes, self.pin_memory = min_bytes, pin_memory
         self.prefetch, self.boundaries_only = prefetch, boundaries_only
         cuda = self.compute.type == "cuda"
@@ -167,11 +176,25 @@ class Offloader:
                 host.copy_(t, non_blocking=self.pin_memory)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            t.record_stream(self.stream)  # keep t's memory until the side-stream copy has read it
+            self._keep_until_read(t, event)
         by_rows = bool(self.row_chunks) and read_by_rows(t) and _rows_dense(t)
         setattr(host, OFFLOADED, (self.compute, event, self._window.add(host, by_rows), by_rows))
         self.offloaded_bytes += host.nbytes
         return host
+
+    def _keep_until_read(self, t: torch.Tensor, copied: Any) -> None:
+        """t's memory must not be written before the side-stream copy has read it. `record`:
+        the allocator holds the block until it sees `copied` done, checked on the host when it
+        looks for memory; near a budget the host, ahead of the GPU, often finds it not done,
+        reaches the cap and retries (a device sync and a cache flush). `stream`: when t is
+        freed, the compute stream first waits for `copied` (queued before the block can be
+        handed out again: the finalizer runs as t dies), so the block is reusable at once and
+        the wait, if any, is on the GPU."""
+        if self.release == "stream":
+            waits = weakref.finalize(t, torch.cuda.current_stream(self.compute).wait_event, copied)
+            waits.atexit = False  # at exit nothing reuses the memory
+        else:
+            t.record_stream(self.stream)
 
     def unpack(self, packed: Any) -> Any:
         if isinstance(packed, torch.Tensor):
@@ -580,7 +603,7 @@ def check(opts: Options, plan: Plan) -> None:
 def apply(opts: Options, build: Build) -> None:
     offloader = Offloader(build.device, torch.device("cpu"), opts.min_bytes, opts.pin_memory,
                           opts.prefetch, boundaries_only=opts.which == "boundaries",
-                          row_chunks=opts.row_chunks, hold=opts.hold)
+                          row_chunks=opts.row_chunks, hold=opts.hold, release=opts.release)
     build.runtime.add_saved_tensor_transform(offloader.pack, offloader.unpack, owner="offload")
     build.notes["offload_min_bytes"] = opts.min_bytes
     build.runtime.series_sources.append(lambda: _prefetch_rows(offloader, build.runtime.rank))
