@@ -47,13 +47,30 @@ def mark_boundary(*tensors: Any, rows: bool = False) -> None:
     """Mark tensors kept between regions - checkpoint region inputs, tile boundaries - so that
     transforms restricted to boundaries (compress / offload `which=boundaries`) act on them;
     `rows`: their backward reads them strip by strip, top to bottom, waiting for each strip's
-    rows (tile sweeps: `RowArrivals`). Marking changes nothing else; non-tensors and
+    rows (tile sweeps: `RowArrivals`), and they are marked as their region starts, which the
+    watchers of `watching_boundaries` are told. Marking changes nothing else; non-tensors and
     parameters are ignored."""
     for t in tensors:
         if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
             setattr(t, BOUNDARY, True)
             if rows:
                 setattr(t, ROWS, True)
+                for watch in _ROW_BOUNDARY_WATCHERS:
+                    watch(t)
+
+
+_ROW_BOUNDARY_WATCHERS: list[Callable[[torch.Tensor], None]] = []
+
+
+@contextlib.contextmanager
+def watching_boundaries(watch: Callable[[torch.Tensor], None]):
+    """Within: `watch(t)` is called for each boundary marked with `rows` (a tile region's
+    input, as the region starts, before its sweeps save it): offload's early copies."""
+    _ROW_BOUNDARY_WATCHERS.append(watch)
+    try:
+        yield
+    finally:
+        _ROW_BOUNDARY_WATCHERS.remove(watch)
 
 
 def is_boundary(obj: Any) -> bool:

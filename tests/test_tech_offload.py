@@ -110,7 +110,7 @@ def test_hold_keeps_the_last_saved_tensors_on_the_device_from_the_second_step(
     off = Offloader(CPU, CPU, min_bytes=16 * 1024, prefetch=1, hold=2)
     sizes = []  # per step: the sizes of the tensors offloaded, in pack order
     copy_to_host = off._copy_to_host
-    off._copy_to_host = lambda t: sizes[-1].append(t.nbytes) or copy_to_host(t)
+    off._copy_to_host = lambda t, **kw: sizes[-1].append(t.nbytes) or copy_to_host(t, **kw)
     for step in range(3):
         sizes.append([])
         grads = hooked_grads(model, x, (off.pack, off.unpack))
@@ -269,6 +269,17 @@ def test_a_copied_tensor_is_released_after_its_copy(monkeypatch, release):
     waited = ("wait_event", "compute", event) in calls
     assert (marked, waited) == ((["side"], False) if release == "record" else ([], True))
     assert torch.equal(off.unpack(host), host)
+
+
+def test_early_needs_tile_and_refuses_compress():
+    with pytest.raises(ConfigError, match="tile is not in techniques; add tile or drop early"):
+        TECH.check(TECH.parse(["early=true"]), _plan("cuda"))
+    both = Plan(config=None, device=torch.device("cuda"), n_gpus=1,
+                chosen={"tile": None, "compress": None})
+    with pytest.raises(ConfigError, match="drop early or compress"):
+        TECH.check(TECH.parse(["early=true"]), both)
+    tiled = Plan(config=None, device=torch.device("cuda"), n_gpus=1, chosen={"tile": None})
+    TECH.check(TECH.parse(["early=true", "which=boundaries"]), tiled)  # accepted
 
 
 def test_release_must_be_record_or_stream():

@@ -309,6 +309,45 @@ def test_boundary_offload_moves_every_region_input(keep):
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 
 
+def test_early_copies_start_as_each_region_begins_and_change_nothing_else():
+    """offload:early: each tile region's inputs start their copy to the host as the region
+    begins (the watcher sees them before any save: the copy has no use yet), and the saves
+    after the sweeps take those copies. The same bytes cross, each tensor once, the prefetch
+    window serves the same uses, the gradients are those without early; a forward without
+    grad (validation) copies nothing."""
+    import contextlib
+
+    from memstudy.runtime import watching_boundaries
+    from memstudy.techniques.offload import Offloader
+
+    x = torch.rand(1, 1, 128, 128)
+    runs = {}
+    for early in (False, True):
+        model = build_unet(seed=0)
+        model.forward_padded = TiledForward(model, 2, tiles=2, keep="all")
+        off = Offloader(torch.device("cpu"), min_bytes=0, boundaries_only=True, prefetch=1)
+        uses_at_copy = []
+        copy_to_host = off._copy_to_host
+        off._copy_to_host = lambda t, **kw: uses_at_copy.append(kw["uses"]) or copy_to_host(t, **kw)
+        for _ in range(2):  # the second step is a new forward: copies numbered afresh
+            model.zero_grad(set_to_none=True)
+            watch = watching_boundaries(off.early) if early else contextlib.nullcontext()
+            with watch, torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack):
+                loss = model(x).square().mean()
+            loss.backward()
+        runs[early] = (off, uses_at_copy, {n: p.grad for n, p in model.named_parameters()})
+    (plain, plain_uses, plain_grads), (off, uses, grads) = runs[False], runs[True]
+    assert len(uses) == len(plain_uses) and set(plain_uses) == {1} and set(uses) == {0}
+    assert off.early_copies == len(uses) and off.stats["early"] == len(uses)
+    assert off.offloaded_bytes == plain.offloaded_bytes
+    window = ("prefetched", "on_demand", "reused")
+    assert [off.stats[k] for k in window] == [plain.stats[k] for k in window]
+    assert all(torch.equal(plain_grads[n], grads[n]) for n in grads)
+    with torch.no_grad(), watching_boundaries(off.early):
+        model(x)
+    assert off.early_copies == len(uses)
+
+
 @pytest.mark.parametrize("change", [{"padding_mode": "reflect"}, {"groups": 2}])
 def test_a_decoder_convolution_the_walks_do_not_reproduce_is_refused(change):
     """The strips' halos and the folded up-convolution assume zero padding and one group."""

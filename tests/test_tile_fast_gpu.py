@@ -43,12 +43,12 @@ def _step(build, optimizer, x, y) -> torch.Tensor:
                                          "offload:which=boundaries:prefetch=1:hold=1",
                                          "tile:4:keep=all"],
                                         ["amp:bf16", "checkpoint",
-                                         "offload:which=boundaries:prefetch=1:hold=1:release=stream",
-                                         "tile:4:keep=all"],
+                                         "offload:which=boundaries:prefetch=1:hold=1:release=stream"
+                                         ":early=true", "tile:4:keep=all"],
                                         ["amp:bf16", "checkpoint", "offload:which=boundaries",
                                          "tile:4:levels=3:layer1=convs"]],
                          ids=["graphs-prefetch", "eager", "eager-keep-bn", "eager-keep-half-prefetch",
-                              "eager-hold", "eager-hold-release-stream",
+                              "eager-hold", "eager-hold-release-stream-early",
                               "eager-layer1-convs"])
 def test_gpu_tiled_step_never_syncs_with_the_host(make_config, techniques):
     """After two warm-up steps (cuDNN's choices, graph captures), a whole training step of the
@@ -171,13 +171,15 @@ def test_gpu_boundaries_brought_back_by_rows_give_the_same_gradients(make_config
     assert _error(grads(16), grads(0)) < 1e-12
 
 
-def test_gpu_memory_released_in_stream_order_gives_the_same_gradients(make_config):
-    """float64, the 4 GiB set's offload with the copies out released in stream order
-    (offload:release=stream: no record_stream, the compute stream waits for each copy when its
-    tensor is freed) and with record_stream: every gradient within 1e-12 relative (a block
-    reused before its copy had read it would corrupt a boundary by far more)."""
-    def grads(release):
-        techniques = ["checkpoint", f"offload:which=boundaries:prefetch=1:hold=1:release={release}",
+@pytest.mark.parametrize("variant", ["release=stream", "early=true", "early=true:release=stream"])
+def test_gpu_early_copies_and_stream_order_release_give_the_same_gradients(make_config, variant):
+    """float64, the 4 GiB set's offload with its copies out started as each region begins
+    (early) and / or their memory released in stream order (release=stream: no record_stream;
+    the compute stream waits for each copy when its tensor is freed), against the default:
+    every gradient within 1e-12 relative (a copy that read a boundary before it was written, or
+    a block reused before its copy had read it, would be off by far more)."""
+    def grads(options):
+        techniques = ["checkpoint", f"offload:which=boundaries:prefetch=1:hold=1{options}",
                       "tile:4:keep=all"]
         build, model, x, y = _float64_step(make_config, techniques, (320, 288),
                                            torch.channels_last)
@@ -187,9 +189,11 @@ def test_gpu_memory_released_in_stream_order_gives_the_same_gradients(make_confi
                 loss = ((model(x) - y) ** 2).mean()
             loss.backward()
         torch.cuda.synchronize()
+        if "early" in options:
+            assert _offload_stats(build)["early"] > 0
         return {n: p.grad.detach() for n, p in model.named_parameters()}
 
-    assert _error(grads("stream"), grads("record")) < 1e-12
+    assert _error(grads(":" + variant), grads("")) < 1e-12
 
 
 @pytest.mark.parametrize("tile", ["tile:4:keep=all", "tile:4:levels=3:layer1=blocks"])

@@ -42,6 +42,12 @@ How (a pack / unpack pair in the runtime's chain of saved-tensor transforms,
   backward needs them first, so their round trip would add PCIe traffic and, under a budget,
   memory held until the copy out has read it. The count comes from the forward before
   (`LastSaved`); the first forward holds none.
+- release (`release=stream`): the copied tensor is not marked with `record_stream`; when it
+  is freed, the compute stream first waits for its copy, so the memory is reusable at once
+  (the allocator would otherwise hold it until it sees the copy done: near a budget, a retry).
+- early (`early=true`, with tile): a tile region's inputs start their copy out as the region
+  begins (runtime.watching_boundaries), overlapping its sweeps; the saves after the sweeps
+  take the copy made.
 - which: `all` saved tensors (above min_bytes), or only `boundaries`, the tensors checkpoint
   (and tile) mark as kept between regions (`runtime.mark_boundary`): the region inputs and
   skip connections, which dominate what checkpointed runs still save.
@@ -69,7 +75,7 @@ from typing import Any
 import torch
 
 from memstudy.errors import ConfigError
-from memstudy.runtime import ROWS_IN, is_boundary, read_by_rows
+from memstudy.runtime import ROWS_IN, is_boundary, read_by_rows, watching_boundaries
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
@@ -104,6 +110,10 @@ class Options:
                 "allocator sees the copy done (record_stream); stream: when the tensor is freed, "
                 "the compute stream waits for the copy (an event, no host sync) and the memory "
                 "is reusable at once"})
+    early: bool = field(default=False, metadata={
+        "help": "a tile region's inputs start their copy to the host as the region starts, so "
+                "it overlaps the region's sweeps (false: when the region's first sweep saves "
+                "them, after it)"})
     which: str = field(default="all", metadata={
         "choices": WHICH,
         "help": "all: every saved tensor above min_bytes; boundaries: only the tensors "
@@ -119,6 +129,7 @@ class Offloader:
                  release: str = "record"):
         self.compute, self.host = _indexed(torch.device(compute)), torch.device(host)
         self.release = release
+        self.early_copies = 0  # copies started as their tile region began (`early`)
         self.min_bytes, self.pin_memory = min_bytes, pin_memory
         self.prefetch, self.boundaries_only = prefetch, boundaries_only
         cuda = self.compute.type == "cuda"
@@ -138,31 +149,49 @@ class Offloader:
         """A tensor, or an earlier transform's packed object (compress), whose tensors move."""
         if self.boundaries_only and not is_boundary(packed):
             return packed
-        if self._window.start_forward():
-            self._copies.clear()  # a new forward: copies of the last one are not reused
-            self._last.start_forward()
+        self._new_forward()
         if isinstance(packed, torch.Tensor):
             return self._offload(packed)
         if hasattr(packed, "map_tensors"):
             return packed.map_tensors(self._offload)
         return packed
 
-    def _offload(self, t: torch.Tensor) -> torch.Tensor:
+    def _new_forward(self) -> None:
+        if self._window.start_forward():
+            self._copies.clear()  # a new forward: copies of the last one are not reused
+            self._last.start_forward()
+
+    def early(self, t: torch.Tensor) -> None:
+        """`early`: a tile region's input (runtime.watching_boundaries) starts its copy as the
+        region starts; the saves after its sweeps find the copy made (the same bytes: sweeps
+        only read their inputs). Not in a forward without grad (validation), which saves
+        nothing."""
+        if torch.is_grad_enabled():
+            self._new_forward()
+            copied = self.offloaded_bytes
+            self._offload(t, saved=False)
+            self.early_copies += self.offloaded_bytes > copied  # a new copy, not a known one
+
+    def _offload(self, t: torch.Tensor, saved: bool = True) -> torch.Tensor:
+        """The host copy standing for `t` (made now, or earlier for an earlier save of t), or
+        t itself where it stays; `saved`: autograd saves t now (a use of the copy), not an
+        `early` start."""
         if t.device != self.compute or t.nbytes < self.min_bytes or (t.is_leaf and t.requires_grad):
             return t
         known = self._copies.get(id(t))
         if known is not None and known[0]() is t and known[1] == t._version:
-            self._window.count_use(getattr(known[2], OFFLOADED)[2])
+            if saved:
+                self._window.count_use(getattr(known[2], OFFLOADED)[2])
             return known[2]
         if self._last.holds(t):
             return t
-        host = self._copy_to_host(t)
+        host = self._copy_to_host(t, uses=int(saved))
         key = id(t)
         self._copies[key] = (weakref.ref(t, lambda _r, k=key: self._copies.pop(k, None)),
                              t._version, host)
         return host
 
-    def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
+    def _copy_to_host(self, t: torch.Tensor, uses: int = 1) -> torch.Tensor:
         dense = t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
         stride = t.stride() if dense else torch.empty(t.shape, device="meta").stride()
         host = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=self.host,
@@ -178,7 +207,8 @@ class Offloader:
                 event.record(self.stream)
             self._keep_until_read(t, event)
         by_rows = bool(self.row_chunks) and read_by_rows(t) and _rows_dense(t)
-        setattr(host, OFFLOADED, (self.compute, event, self._window.add(host, by_rows), by_rows))
+        setattr(host, OFFLOADED, (self.compute, event, self._window.add(host, by_rows, uses),
+                                  by_rows))
         self.offloaded_bytes += host.nbytes
         return host
 
@@ -296,7 +326,8 @@ class Offloader:
         stream waited for (exposed on the critical path). Read once the device is idle (the end
         of a run): events still pending are left out of the times."""
         found = {"d2h_bytes": float(self.offloaded_bytes), "h2d_bytes": float(self.restored_bytes),
-                 "by_rows": float(self.by_rows), "held_bytes": float(self.held_bytes)}
+                 "by_rows": float(self.by_rows), "held_bytes": float(self.held_bytes),
+                 "early": float(self.early_copies)}
         if self.copy_times is not None:
             found.update(self.copy_times.totals())
         return found
@@ -495,15 +526,16 @@ class PrefetchWindow:
         self._frontier, self._backward = 0, False
         return True
 
-    def add(self, host: torch.Tensor, on_demand: bool = False) -> int:
-        """Number a new host copy; `on_demand`: never prefetched (a tile region's input comes
-        back by rows when asked for: prefetched, all of it would sit on the device early)."""
+    def add(self, host: torch.Tensor, on_demand: bool = False, uses: int = 1) -> int:
+        """Number a new host copy with its `uses` so far (0: made before any save, offload's
+        `early`); `on_demand`: never prefetched (a tile region's input comes back by rows when
+        asked for: prefetched, all of it would sit on the device early)."""
         index = len(self._sequence)
         if on_demand:
             self._on_demand.add(index)
         # a copy autograd frees unused (its node never runs) leaves the window
         self._sequence.append(weakref.ref(host, lambda _r, i=index: self._ready.pop(i, None)))
-        self._left.append(1)
+        self._left.append(uses)
         self._frontier = index + 1
         return index
 
@@ -594,6 +626,12 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError("offload: prefetch needs pin_memory=true (copies from pageable memory "
                           "are synchronous, so nothing would overlap); set "
                           "offload:pin_memory=true or prefetch=0")
+    if opts.early and not plan.has("tile"):
+        raise ConfigError("offload: early starts the copies of tile regions' inputs as the "
+                          "regions start, and tile is not in techniques; add tile or drop early")
+    if opts.early and plan.has("compress"):
+        raise ConfigError("offload: early copies a tile region's input as it is, and compress "
+                          "packs it compressed when it is saved; drop early or compress")
     if opts.which == "boundaries" and not (plan.has("checkpoint") or plan.has("tile")):
         raise ConfigError("offload: which=boundaries offloads only what checkpoint / tile keep "
                           "between regions, and neither is in techniques; add checkpoint (or "
@@ -605,6 +643,8 @@ def apply(opts: Options, build: Build) -> None:
                           opts.prefetch, boundaries_only=opts.which == "boundaries",
                           row_chunks=opts.row_chunks, hold=opts.hold, release=opts.release)
     build.runtime.add_saved_tensor_transform(offloader.pack, offloader.unpack, owner="offload")
+    if opts.early:
+        build.runtime.forward_contexts.append(lambda: watching_boundaries(offloader.early))
     build.notes["offload_min_bytes"] = opts.min_bytes
     build.runtime.series_sources.append(lambda: _prefetch_rows(offloader, build.runtime.rank))
 
