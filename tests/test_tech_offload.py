@@ -268,6 +268,15 @@ def test_a_copied_tensor_is_released_after_its_copy(monkeypatch, release):
     gc.collect()
     waited = ("wait_event", "compute", event) in calls
     assert (marked, waited) == ((["side"], False) if release == "record" else ([], True))
+    # a copy back on the side stream (a prefetch) writes into compute-pool memory: the same
+    off.copy_times = type("Times", (), {"start": staticmethod(lambda stream: _FakeEvent()),
+                                        "prefetched": lambda self, started, copied: None})()
+    restored, copied = off._start_copy_back(host)
+    assert torch.equal(restored, host) and ("wait_event", "compute", copied) not in calls
+    del restored
+    gc.collect()
+    waited = ("wait_event", "compute", copied) in calls
+    assert (marked, waited) == ((["side", "side"], False) if release == "record" else ([], True))
     assert torch.equal(off.unpack(host), host)
 
 

@@ -42,9 +42,10 @@ How (a pack / unpack pair in the runtime's chain of saved-tensor transforms,
   backward needs them first, so their round trip would add PCIe traffic and, under a budget,
   memory held until the copy out has read it. The count comes from the forward before
   (`LastSaved`); the first forward holds none.
-- release (`release=stream`): the copied tensor is not marked with `record_stream`; when it
-  is freed, the compute stream first waits for its copy, so the memory is reusable at once
-  (the allocator would otherwise hold it until it sees the copy done: near a budget, a retry).
+- release (`release=stream`): a device tensor a side-stream copy reads (out) or writes (back)
+  is not marked with `record_stream`; when it is freed, the compute stream first waits for
+  the copy, so the memory is reusable at once (the allocator would otherwise hold it until it
+  sees the copy done: near a budget, a retry).
 - early (`early=true`, with tile): a tile region's inputs start their copy out as the region
   begins (runtime.watching_boundaries), overlapping its sweeps; the saves after the sweeps
   take the copy made.
@@ -205,21 +206,24 @@ class Offloader:
                 host.copy_(t, non_blocking=self.pin_memory)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            self._keep_until_read(t, event)
+            self._keep_until_copied(t, event)
         by_rows = bool(self.row_chunks) and read_by_rows(t) and _rows_dense(t)
         setattr(host, OFFLOADED, (self.compute, event, self._window.add(host, by_rows, uses),
                                   by_rows))
         self.offloaded_bytes += host.nbytes
         return host
 
-    def _keep_until_read(self, t: torch.Tensor, copied: Any) -> None:
-        """t's memory must not be written before the side-stream copy has read it. `record`:
-        the allocator holds the block until it sees `copied` done, checked on the host when it
-        looks for memory; near a budget the host, ahead of the GPU, often finds it not done,
-        reaches the cap and retries (a device sync and a cache flush). `stream`: when t is
-        freed, the compute stream first waits for `copied` (queued before the block can be
+    def _keep_until_copied(self, t: torch.Tensor, copied: Any) -> None:
+        """t's memory, from the compute stream's pool, must not be handed out again before the
+        side stream's copy from it (out) or into it (back) is done. `record`: the allocator
+        holds the block until it sees `copied` done (record_stream: an event the side stream
+        records when t is freed, after any copy queued there since), checked on the host when
+        it looks for memory; near a budget the host, ahead of the GPU, often finds it not
+        done, reaches the cap and retries (a device sync and a cache flush). `stream`: when t
+        is freed, the compute stream first waits for `copied` (queued before the block can be
         handed out again: the finalizer runs as t dies), so the block is reusable at once and
-        the wait, if any, is on the GPU."""
+        the wait, if any, is on the GPU; a copy back the compute stream waited for already
+        costs nothing more."""
         if self.release == "stream":
             waits = weakref.finalize(t, torch.cuda.current_stream(self.compute).wait_event, copied)
             waits.atexit = False  # at exit nothing reuses the memory
@@ -278,6 +282,7 @@ class Offloader:
             restored.copy_(host, non_blocking=True)
             copied = torch.cuda.Event(enable_timing=True)
             copied.record(self.stream)
+        self._keep_until_copied(restored, copied)
         self.copy_times.prefetched(started, copied)
         return restored, copied
 
@@ -286,10 +291,10 @@ class Offloader:
         stream's pool, where it is freed: memory allocated on the side stream would be cached
         for the side stream only, and near a budget the compute stream's allocations would
         then flush the cache and retry. The side stream waits for the work queued so far,
-        which may still be using that memory."""
+        which may still be using that memory; the caller keeps the memory until its copy is
+        done (`_keep_until_copied`)."""
         restored = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
         self.stream.wait_stream(torch.cuda.current_stream(device))
-        restored.record_stream(self.stream)  # not reused before the side stream is done with it
         self.restored_bytes += host.nbytes
         return restored
 
@@ -312,6 +317,7 @@ class Offloader:
                 self.copy_times.prefetched(started, done)
                 copied.append(done)
                 started, top = done, bottom
+        self._keep_until_copied(restored, copied[-1])  # chunks land in order: the last, all
         ROWS_IN.arriving(restored, ArrivingRows(ends, copied, self.copy_times, device))
         return restored
 
