@@ -9,6 +9,7 @@ MS-SSIM's clamp is ok as a measurement but did not train).
 from __future__ import annotations
 
 import gc
+import os
 import random
 import time
 import traceback
@@ -22,11 +23,11 @@ from memstudy.console import eprint  # also imported from here by scripts
 from memstudy import cuda_allocator
 from memstudy import env as envinfo
 from memstudy.budget import apply_budget, budget_bytes, recap_after_warmup
-from memstudy.config import RunConfig
+from memstudy.config import CELL_THREADS_ENV, RunConfig
 from memstudy.datasets import build_datasets, describe_datasets
 from memstudy.distributed.context import rank_device
 from memstudy.distributed.records import gather_record
-from memstudy.errors import Diverged, PhaseFailure
+from memstudy.errors import ConfigError, Diverged, PhaseFailure
 from memstudy.meters import PhaseRecorder
 from memstudy.meters.flops import model_flops_per_step, pixel_count
 from memstudy.meters.nvml import EnergyCounter
@@ -63,6 +64,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
     name = run_name(config)
     plan = make_plan(config)  # raises ConfigError: nothing recorded
     prepare_process(plan)  # allocator settings, before anything initialises CUDA
+    share_cpu_threads()  # recorded in env (num_threads)
     plan.device = rank_device(plan.device)  # distributed: each rank trains on its own GPU
     resolved(config)
     train_set, val_set = build_datasets(  # raises on bad data and refused sizes
@@ -156,6 +158,18 @@ def _recap_budget_after_warmup(build, config: RunConfig, env: dict) -> None:
                 raise PhaseFailure(STEP, info.step, exc) from exc
 
     build.runtime.step_hooks.append(hook)
+
+
+def share_cpu_threads() -> None:
+    """A grid cell beside others takes the CPU threads the grid gave it (CELL_THREADS_ENV:
+    grid.run.cell_threads); elsewhere torch's default stays."""
+    text = os.environ.get(CELL_THREADS_ENV)
+    if text is None:
+        return
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{CELL_THREADS_ENV}={text!r} must be a positive number of CPU "
+                          "threads; unset it to use torch's default")
+    torch.set_num_threads(int(text))
 
 
 def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,

@@ -258,6 +258,37 @@ def test_cells_per_gpu_refuses_budgets_and_other_launchers(tmp_path, capsys):
                  "--dry-run"]) == 0
 
 
+def test_cells_side_by_side_share_the_hosts_cpu_threads(monkeypatch):
+    from memstudy.grid.run import cell_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cell_threads(1, cores=16) is None  # one cell at a time keeps torch's default
+    assert (cell_threads(4, cores=16), cell_threads(3, cores=16), cell_threads(32, cores=16)) == (4, 5, 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice, inherited by every cell
+    assert cell_threads(4, cores=16) is None
+
+
+@pytest.mark.slow
+def test_a_cell_runs_with_the_threads_it_was_given(tmp_path, monkeypatch):
+    """The cell's process takes its share (recorded in the run's env as num_threads); a bad
+    value is refused before anything is recorded."""
+    from memstudy.config import CELL_THREADS_ENV
+    from memstudy.grid.cells import CellProcess
+    from memstudy.runner import share_cpu_threads
+
+    cell = expand(load_spec(write_spec(tmp_path, [192])))[0]
+    # 3: neither of the defaults the cell would inherit here (OMP_NUM_THREADS is 1 or 2 in
+    # the test processes: conftest.py)
+    child = CellProcess(cell.config, tmp_path / "r.sqlite", None, threads=3)
+    child.proc.wait()
+    assert child.finish() == "ok"
+    (run,) = ResultsDB(tmp_path / "r.sqlite").runs()
+    assert json.loads(run["env_json"])["num_threads"] == 3
+    monkeypatch.setenv(CELL_THREADS_ENV, "0")
+    with pytest.raises(ConfigError, match=f"{CELL_THREADS_ENV}='0' must be a positive number"):
+        share_cpu_threads()
+
+
 @pytest.mark.gpu
 def test_cells_side_by_side_on_one_gpu_record_that_they_shared_it(tmp_path):
     """Two cells at once on GPU 0 (--cells-per-gpu 2): each saw the other (where NVML lists
@@ -324,7 +355,7 @@ def test_scheduler_never_overlaps_gpus(monkeypatch, tmp_path):
     class FakeChild:
         times = None  # where a recorded cell's time went: none here
 
-        def __init__(self, config, db_path, gpu):
+        def __init__(self, config, db_path, gpu, threads=None):
             ids = gpu.split(",") if gpu else []
             assert not set(ids) & set(held), f"GPUs {ids} already held by {held}"
             held.update({g: config.train.seed for g in ids})

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memstudy.config import RunConfig, load_toml
+from memstudy.config import CELL_THREADS_ENV, RunConfig, load_toml
 from memstudy.errors import ConfigError
 from memstudy.grid import forkserver
 from memstudy.grid.spec import config_hash
@@ -122,7 +122,9 @@ class CellProcess:
 
     times: CellTimes | None = None  # set by finish() once the cell's run is recorded
 
-    def __init__(self, config: RunConfig, db_path: str | Path, gpu: str | None = None):
+    def __init__(self, config: RunConfig, db_path: str | Path, gpu: str | None = None,
+                 threads: int | None = None):
+        """`threads`: the cell's CPU threads (CELL_THREADS_ENV), None: torch's default."""
         self.config, self.db_path, self.gpu = config, str(db_path), gpu
         folder = cells_folder(db_path)
         toml = write_cell_config(config, folder)
@@ -132,6 +134,8 @@ class CellProcess:
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
+        if threads is not None:
+            env[CELL_THREADS_ENV] = str(threads)
         # progress lines go to the cell's log: `tail -f` it to follow a long cell
         cmd = [sys.executable, "-m", "memstudy", "--db", self.db_path, "run", "--config", str(toml)]
         parent = os.getpid()

@@ -207,8 +207,9 @@ class _Scheduler:
 
     def _start(self, cell: Cell, ids: list[str]) -> None:
         gpu = ",".join(ids) or None  # None: a CPU cell inherits the runner's environment
+        threads = cell_threads(self.slots.width) if ids else None  # a CPU cell runs alone
         try:
-            child = CellProcess(cell.config, self.db.path, gpu)
+            child = CellProcess(cell.config, self.db.path, gpu, threads)
         except BaseException:
             claims.release(self.db, [cell.hash], self.runner)
             self.slots.give(ids)
@@ -245,6 +246,17 @@ class _Scheduler:
         left = len(self.todo) + len(self.running)
         mean = sum(self.durations) / len(self.durations)
         return "~" + _hms(mean * left / self.slots.width)
+
+
+def cell_threads(width: int, cores: int | None = None) -> int | None:
+    """CPU threads for each GPU cell when `width` cells may run at once: the host's cores
+    shared between them. torch gives every process all cores, and cells side by side then
+    spin OpenMP threads against each other, the Python thread that launches the GPU's kernels
+    among the losers (docs/testing.md: two processes of two threads on two cores ran 5x
+    slower than of one). None: one cell at a time, or OMP_NUM_THREADS set, which they keep."""
+    if width <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, (cores or os.cpu_count() or 1) // width)
 
 
 def _hms(seconds: float) -> str:
