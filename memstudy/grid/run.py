@@ -250,9 +250,9 @@ class _Scheduler:
 
 def cell_threads(width: int, cores: int | None = None) -> int | None:
     """CPU threads for each GPU cell when `width` cells may run at once: the host's cores
-    shared between them. torch gives every process all cores, and cells side by side then
-    spin OpenMP threads against each other, the Python thread that launches the GPU's kernels
-    among the losers (docs/testing.md: two processes of two threads on two cores ran 5x
+    shared between them. torch gives every process all cores, and cells side by side can then
+    spin OpenMP threads against each other and against the threads that launch the GPU's
+    kernels (docs/testing.md: on the CPU, two processes of two threads on two cores ran 5x
     slower than of one). None: one cell at a time, or OMP_NUM_THREADS set, which they keep."""
     if width <= 1 or "OMP_NUM_THREADS" in os.environ:
         return None
