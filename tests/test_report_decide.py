@@ -111,6 +111,13 @@ def test_a_run_on_a_shared_gpu_keeps_its_memory_and_loses_its_time(db):
     assert small["time_vs_original"] == pytest.approx(0.06 / 0.11)
     (table_row,) = [r for r in report.phase_memory(db, 512) if r["name"] == "original"]
     assert table_row["step_time_s"] == pytest.approx(0.11) and table_row["forward_mb"] == pytest.approx(700)
+    gpu_run(db, "invertible", 512, 100, 0.01, 0.30, others=2)  # timed only beside another run
+    small = decision(report.decisions(db, report.budgets_found(db)), "2GiB", 512)
+    assert small["name"] == "amp" and "time from 4 of 4 runs" not in small["note"]
+    assert "not ranked, timed only on a shared GPU: invertible" in small["note"]
+    gpu_run(db, "amp", 512, 400, 0.06, 0.31, seed=4, others=1)
+    small = decision(report.decisions(db, report.budgets_found(db)), "2GiB", 512)
+    assert "time from 4 of 5 runs (the others shared their GPU)" in small["note"]
 
 
 def test_pareto_marks_the_sets_no_other_beats_on_memory_and_time(db):

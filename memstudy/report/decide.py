@@ -30,8 +30,8 @@ from statistics import median
 from typing import Any
 
 from memstudy.bytesize import mb, parse_bytes
-from memstudy.report.data import (TRAIN_PHASES, device_of, did_not_train, load_maxres,
-                                  load_runs, open_db, phase_peak, step_time)
+from memstudy.report.data import (TRAIN_PHASES, device_of, did_not_train, gpu_shared,
+                                  load_maxres, load_runs, open_db, phase_peak, step_time)
 from memstudy.report.tables import spread
 from memstudy.sizes import size_hw, size_sort_key
 from memstudy.store import NOT_TRAINED, describe_outcome
@@ -101,6 +101,7 @@ def _candidate(runs: Rows, context_by_gpu: dict[str, float]) -> dict[str, Any]:
             "budget": first["config"].get("budget"), "label": first["label"] or "-",
             "ok": len(ok), "runs": len(runs),
             "not_trained": sum(did_not_train(r) for r in ok),
+            "shared": sum(gpu_shared(r) for r in ok),  # their times left out (step_time)
             "failed": describe_outcome(failed[-1]["status"], failed[-1]["failed_phase"])
                       if failed else None,
             "peak_bytes": max((p for p, _e in peaks if p is not None), default=None),
@@ -159,8 +160,11 @@ def decisions(db, budgets: list[int] | None = None) -> Rows:
         if not ok:
             continue  # only failed (or never trained) runs at this size: nothing to decide between
         dead = [c for c in measured if not works(c)]
+        # finished, but timed only on a shared GPU: no time to rank them by
+        untimed = [c for c in group if works(c) and c["peak_bytes"] is not None
+                   and not c["step_time_s"] and c["shared"]]
         for budget in budgets:
-            rows.append(_decision(cands, ok, base, device, size, budget, dead))
+            rows.append(_decision(cands, ok, base, device, size, budget, dead, untimed))
     return sorted(rows, key=lambda r: (r["device"], r["budget_bytes"], size_sort_key(r["image_size"])))
 
 
@@ -170,10 +174,13 @@ def works(cand: dict[str, Any]) -> bool:
     return cand["ok"] > cand["not_trained"]
 
 
-def _decision(cands, ok, base, device, size, budget, dead=()) -> dict[str, Any]:
+def _decision(cands, ok, base, device, size, budget, dead=(), untimed=()) -> dict[str, Any]:
     fitting = [c for c in ok if c["peak_bytes"] <= budget]
     left_out = sorted({c["name"] for c in dead if c["peak_bytes"] <= budget})
-    left_out_note = f"not ranked, {NOT_TRAINED}: {', '.join(left_out)}" if left_out else ""
+    no_time = sorted({c["name"] for c in untimed if c["peak_bytes"] <= budget})
+    left_out_note = "; ".join(filter(None, (
+        f"not ranked, {NOT_TRAINED}: {', '.join(left_out)}" if left_out else "",
+        f"not ranked, timed only on a shared GPU: {', '.join(no_time)}" if no_time else "")))
     row = {"device": device, "budget_bytes": budget, "budget": _gib(budget), "image_size": size,
            "fits": f"{len({c['name'] for c in fitting})}/{len({c['name'] for c in ok})}"}
     if not fitting:
@@ -203,6 +210,9 @@ def _note(best, base, quality_at, size) -> str:
                      "from the others)")
     if best["context_estimated"]:
         notes.append("context estimated")
+    if best["shared"]:
+        notes.append(f"time from {best['step_n']} of {best['ok']} runs (the others shared "
+                     "their GPU)")
     return "; ".join(notes)
 
 
