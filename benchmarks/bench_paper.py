@@ -37,6 +37,7 @@ import tomllib
 from pathlib import Path
 
 from memstudy.bytesize import mb
+from memstudy.errors import MemstudyError
 from memstudy.grid import expand, load_spec
 from memstudy.report.data import (device_of, did_not_train, gpu_shared, load_runs, open_db,
                                   phase_peak, step_time)
@@ -317,5 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """main, with a bad database or setting said in one line (exit 2) instead of a traceback."""
+    try:
+        return main(argv)
+    except MemstudyError as exc:  # a bad database (store.DatabaseError), a bad setting
+        print(f"bench_paper: error: {exc}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

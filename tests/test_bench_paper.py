@@ -128,6 +128,15 @@ def test_figure2_is_memory_over_originals(tmp_path, capsys):
     assert "- " in next(row for row in figure.splitlines() if "invertible " in row)
 
 
+def test_a_file_that_is_no_database_is_said_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.sqlite"
+    bad.write_text("garbage")
+    assert bench_paper.cli([str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bench_paper: error: ") and "is not an SQLite database" in err
+    assert err.count("\n") == 1
+
+
 def test_figure2_drawn_holds_the_tables_ratios(tmp_path):
     db = ResultsDB(tmp_path / "paper.sqlite")
     paper_run(db, "original", 0, 0.06, fwd_mb=400)
