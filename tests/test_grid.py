@@ -387,6 +387,50 @@ def test_scheduler_never_overlaps_gpus(monkeypatch, tmp_path):
     assert log == [(0, "3"), (1, "3,5"), (2, "3")]  # in order; the wide cell waited for both
 
 
+def test_scheduler_seats_cells_per_gpu_and_shares_the_cpu(monkeypatch, tmp_path):
+    """Fake children on 2 GPUs with 2 seats each: four 1-GPU cells start at once, two per GPU,
+    the fifth waits for a seat; every GPU cell gets a quarter of the host's cores."""
+    from memstudy.grid import Cell, GpuSlots, GridResult, run as grid_run
+
+    running: dict[str, int] = {}  # GPU -> cells on it now
+    most: dict[str, int] = {}
+    given: list = []
+
+    class FakeChild:
+        times = None
+
+        def __init__(self, config, db_path, gpu, threads=None):
+            running[gpu] = running.get(gpu, 0) + 1
+            most[gpu] = max(most.get(gpu, 0), running[gpu])
+            self.gpu, self.polls, self.started = gpu, 0, time.time()
+            given.append(threads)
+
+        def poll(self):
+            self.polls += 1
+            if self.polls < 3:
+                return None
+            running[self.gpu] -= 1
+            return 0
+
+        def finish(self, timed_out=False):
+            return "ok"
+
+    from conftest import small_config
+
+    from memstudy.grid.claims import Runner
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(grid_run.os, "cpu_count", lambda: 16)
+    cells = [Cell(index=i + 1, config=small_config(seed=i), hash=f"h{i}", gpus=1) for i in range(5)]
+    monkeypatch.setattr(grid_run, "CellProcess", FakeChild)
+    result = GridResult(cells)
+    grid_run._Scheduler(result, cells, GpuSlots(["0", "1"], per_gpu=2),
+                        ResultsDB(tmp_path / "r.sqlite"), None, lambda _m: None, 0.0,
+                        Runner.this_process()).run()
+    assert set(result.outcomes.values()) == {"ok"} and len(result.outcomes) == 5
+    assert most == {"0": 2, "1": 2} and given == [4] * 5
+
+
 def test_world_size_cells_need_that_many_gpus(tmp_path):
     from memstudy.grid import gpus_needed
     from memstudy.grid.spec import Cell
