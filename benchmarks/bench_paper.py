@@ -181,12 +181,12 @@ def figure2_ratios(part: dict, by_set: dict) -> list[tuple[str, str, dict]]:
     phase's MB to original's (None where either is missing): the study's Figure 2 at 512 px,
     whose bars are its Table 2's MB over original's."""
     base = part["original"]
+    refs = {phase: phase_mb(by_set.get("original", []), phase)[0] for phase in FIGURE2_PHASES}
     out = []
     for name, paper in part.items():
         ratios = {}
         for phase in FIGURE2_PHASES:
-            ours = phase_mb(by_set.get(name, []), phase)[0]
-            ref = phase_mb(by_set.get("original", []), phase)[0]
+            ours, ref = phase_mb(by_set.get(name, []), phase)[0], refs[phase]
             key = f"{phase}_mb"
             ratios[phase] = (ours / ref if ours is not None and ref else None,
                              paper[key] / base[key] if key in paper else None)

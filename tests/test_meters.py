@@ -152,7 +152,7 @@ def test_gpu_neighbours_keep_the_most_other_processes_seen(monkeypatch):
 
 
 def test_the_recorder_records_other_processes_it_looked_at(monkeypatch):
-    """A measured phase looks, and the run's summary carries the most seen; a recorder that
+    """A measured step looks, and the run's summary carries the most seen; a recorder that
     never learnt anything records nothing (not a 0 that would claim the GPU was free)."""
     from memstudy.meters.nvml import GpuNeighbours
 
@@ -189,13 +189,14 @@ def test_memstudy_run_says_when_the_gpu_was_shared():
 
 def test_the_training_loop_looks_at_the_gpu_after_every_epoch(make_config, monkeypatch):
     """Cells that share a GPU may start after a run's metered steps: the loop looks at each
-    epoch's end too (3 epochs of 1 step, only the first step measured: 3 phases + 3 epochs)."""
+    epoch's end too (3 epochs of 1 step, only the first step measured: once for that step,
+    before its clock, + 3 epochs)."""
     looks = []
     monkeypatch.setattr(PhaseRecorder, "look_at_gpu", lambda self: looks.append(1))
     cfg = make_config(192, epochs=3, warmup_steps=0, measure_steps=1, validate=False)
     cfg.data.train_images = 1
     assert execute(cfg, db=None).status == "ok"
-    assert len(looks) == 3 + 3
+    assert len(looks) == 1 + 3
 
 
 @pytest.mark.gpu

@@ -82,6 +82,7 @@ class PhaseRecorder:
                 stack.enter_context(meter)
             self._meter = meter
             if measured:
+                self.look_at_gpu()  # before the clock: not in the step's time
                 self._saved = {}
                 self.runtime.saved_tensor_observers.append(self._observe_saved)
                 stack.callback(self.runtime.saved_tensor_observers.remove, self._observe_saved)
@@ -157,7 +158,7 @@ class PhaseRecorder:
         self.measured[name].append(rec)
 
     def look_at_gpu(self) -> None:
-        """Count the other processes on the GPU now (measured phases, epoch ends)."""
+        """Count the other processes on the GPU now (measured steps, epoch ends)."""
         if self.neighbours is not None:
             self.neighbours.look()
 
@@ -177,7 +178,6 @@ class PhaseRecorder:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.nvml is not None:
             rec["nvml_start_bytes"] = self.nvml.phase_start()
-        self.look_at_gpu()
         if self._meter is not None:
             self._meter.reset_peak()
             rec["tensor_start_bytes"] = self._meter.current

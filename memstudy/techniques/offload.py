@@ -45,7 +45,7 @@ How (a pack / unpack pair in the runtime's chain of saved-tensor transforms,
 - release (`release=stream`): a device tensor a side-stream copy reads (out) or writes (back)
   is not marked with `record_stream`; when it is freed, the compute stream first waits for
   the copy, so the memory is reusable at once (the allocator would otherwise hold it until it
-  sees the copy done: near a budget, a retry).
+  sees the copy done: near a budget, possibly a retry).
 - early (`early=true`, with tile): a tile region's inputs start their copy out as the region
   begins (runtime.watching_boundaries), overlapping its sweeps; the saves after the sweeps
   take the copy made.
@@ -218,8 +218,8 @@ class Offloader:
         side stream's copy from it (out) or into it (back) is done. `record`: the allocator
         holds the block until it sees `copied` done (record_stream: an event the side stream
         records when t is freed, after any copy queued there since), checked on the host when
-        it looks for memory; near a budget the host, ahead of the GPU, often finds it not
-        done, reaches the cap and retries (a device sync and a cache flush). `stream`: when t
+        it looks for memory; near a budget the host, ahead of the GPU, may find it not
+        done, reach the cap and retry (a device sync and a cache flush). `stream`: when t
         is freed, the compute stream first waits for `copied` (queued before the block can be
         handed out again: the finalizer runs as t dies), so the block is reusable at once and
         the wait, if any, is on the GPU; a copy back the compute stream waited for already
