@@ -203,6 +203,8 @@ def test_the_training_loop_looks_at_the_gpu_after_every_epoch(make_config, monke
 def test_a_run_beside_another_process_on_its_gpu_says_so(make_config):
     """Another process holding a CUDA context on the GPU is seen (gpu_other_processes >= 1);
     alone, the count is 0."""
+    import os
+    import signal
     import subprocess
     import sys
     import time
@@ -212,15 +214,20 @@ def test_a_run_beside_another_process_on_its_gpu_says_so(make_config):
     m = {(p, n): v for _, p, n, v in alone.metrics}
     if ("run", "gpu_other_processes") not in m:
         pytest.skip("NVML lists no process on this GPU (not even this one)")
-    other = subprocess.Popen([sys.executable, "-c", "import torch, time; torch.zeros(1, device='cuda'); "
-                              "print('ready', flush=True); time.sleep(120)"],
+    # the neighbour must not descend from this process (a run leaves out the processes it
+    # started, a compiler's workers say): the shell starts it in the background and exits, so
+    # it is reparented
+    holder = ("import os, time, torch; torch.zeros(1, device='cuda'); "
+              "print(os.getpid(), flush=True); time.sleep(120)")
+    shell = subprocess.Popen(["sh", "-c", '"$0" -c "$1" &', sys.executable, holder],
                              stdout=subprocess.PIPE, text=True)
+    other_pid = int(shell.stdout.readline())
     try:
-        assert other.stdout.readline().strip() == "ready"
         time.sleep(0.5)
         beside = execute(cfg, db=None)
     finally:
-        other.kill()
+        os.kill(other_pid, signal.SIGKILL)
+        shell.wait()
     assert m[("run", "gpu_other_processes")] == 0
     assert {(p, n): v for _, p, n, v in beside.metrics}[("run", "gpu_other_processes")] >= 1
 
