@@ -45,10 +45,11 @@ How (a pack / unpack pair in the runtime's chain of saved-tensor transforms,
 - release (`release=stream`): a device tensor a side-stream copy reads (out) or writes (back)
   is not marked with `record_stream`; when it is freed, the compute stream first waits for
   the copy, so the memory is reusable at once (the allocator would otherwise hold it until it
-  sees the copy done: near a budget, possibly a retry).
+  sees the copy done). Measured slower under the 4 GiB cap (the compute stream waits for
+  copies queued behind others; the retries stayed): docs/techniques/offload.md.
 - early (`early=true`, with tile): a tile region's inputs start their copy out as the region
   begins (runtime.watching_boundaries), overlapping its sweeps; the saves after the sweeps
-  take the copy made.
+  take the copy made. Measured no faster under the 4 GiB cap.
 - which: `all` saved tensors (above min_bytes), or only `boundaries`, the tensors checkpoint
   (and tile) mark as kept between regions (`runtime.mark_boundary`): the region inputs and
   skip connections, which dominate what checkpointed runs still save.
