@@ -31,6 +31,15 @@ def test_plots_carry_their_data_and_tables_sort(html_file):
     assert '"hovertemplate"' in html and 'table class="sortable"' in html
 
 
+def test_every_section_is_listed_and_linked(html_file):
+    """The contents at the top link to every h2, and every h2 has the anchor linked."""
+    html = html_file.read_text()
+    anchors = re.findall(r'<h2 id="([^"]+)">', html)
+    assert len(anchors) == html.count("<h2") and "pareto" in anchors and "resolution" in anchors
+    nav = html[html.index("<nav>"):html.index("</nav>")]
+    assert re.findall(r'<a href="#([^"]+)">', nav) == anchors
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary installed")
 def test_renders_in_headless_chromium_without_script_errors(html_file, tmp_path):
     dom, log = render(html_file, tmp_path / "profile")

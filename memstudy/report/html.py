@@ -20,6 +20,7 @@ from memstudy.report.tables import TITLES, as_cells
 from memstudy.sizes import size_sort_key
 from memstudy.text_table import render_table
 
+RESOLUTION_TITLE = "Memory vs resolution"
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:90em}
 table{border-collapse:collapse;margin:0.5em 0 1.5em}
 th,td{border:1px solid #bbb;padding:0.2em 0.6em;text-align:left;overflow-wrap:break-word}
@@ -79,19 +80,27 @@ def build_html(source: str, tables: dict[str, list[dict[str, Any]]], resolution:
     `tri_efficiency` table (memstudy.report.triaccel_section)."""
     parts = [f"<h1>memstudy report</h1><p>{escape(source)} &middot; generated "
              f"{time.strftime('%Y-%m-%d %H:%M')} &middot; click a column header to sort, "
-             "a legend entry to hide or show a series, hover a point for its values</p>"]
+             "a legend entry to hide or show a series, hover a point for its values</p>",
+             _contents([*tables, "resolution"])]
     for name, rows in tables.items():
-        parts.append(f"<h2>{escape(TITLES[name])}</h2>")
+        parts.append(f'<h2 id="{name}">{escape(TITLES[name])}</h2>')
         parts.append(_table(name, rows))
         parts.append(_figures_after(name, rows))
         if name == "tri_efficiency":
             parts.append(_tri_runs(tri_controls))
-    parts.append("<h2>Memory vs resolution</h2>")
+    parts.append(f'<h2 id="resolution">{escape(RESOLUTION_TITLE)}</h2>')
     parts.append(_figure(interactive.resolution_chart(resolution, budget_mb)) or "<p>no runs</p>")
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>memstudy report</title>"
             f"<style>{STYLE}</style><script>{ERROR_COUNTER}</script>"
             f"<script>{_plotly_js()}</script></head><body>{''.join(parts)}"
             f"<script>{SORTER}</script></body></html>")
+
+
+def _contents(names: list[str]) -> str:
+    """A list of the sections, each linking to its heading (report.html#pareto opens there)."""
+    items = "".join(f'<li><a href="#{name}">{escape(TITLES.get(name, RESOLUTION_TITLE))}</a></li>'
+                    for name in names)
+    return f"<nav><ul>{items}</ul></nav>"
 
 
 def _figures_after(name: str, rows: list[dict[str, Any]]) -> str:
