@@ -3,11 +3,11 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (at most 8 files come back from a remote GPU machine).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
-# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS / PAPER_ARGS (e.g. "--sizes 2048")
+# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS / PAPER_ARGS / PAPER2_ARGS (e.g. "--sizes 2048")
 # replace a benchmark's arguments. Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -100,6 +100,16 @@ for item in $STEPS; do
             cp "${PAPER_DB:-benchmarks/results/h100/paper/paper-protocol-512px.sqlite}" "$RES/paper/paper-protocol-512px.sqlite" || continue
             $PY -m memstudy --db "$RES/paper/paper-protocol-512px.sqlite" grid benchmarks/specs/paper-protocol.toml ${PAPER_ARGS:-} 2>&1 | tee "$RES/paper/grid.log"
             python3 benchmarks/bench_paper.py "$RES/paper/paper-protocol-512px.sqlite" --format md --figure "$RES/paper/figure2.png" > "$RES/paper/tables.md" 2>&1 ;;
+        # Tables 3-6 (two GPUs, docs/paper.md): both two-GPU specs resumed on a copy of PAPER2_DB
+        # (default: start empty), PAPER2_ARGS e.g. "--cells-per-gpu 2"; tables beside the H100 Original
+        paper-2gpu) mkdir -p "$RES/paper-2gpu"; db="$RES/paper-2gpu/paper-protocol-2gpu.sqlite"
+            [ -n "${PAPER2_DB:-}" ] && { cp "$PAPER2_DB" "$db" || continue; }
+            start=$SECONDS
+            for spec in paper-protocol-2gpu paper-protocol-2gpu-mp; do  # the step's limit covers both
+                left=$((limit - (SECONDS - start))); [ "$left" -gt 0 ] || break
+                timeout --signal=INT --kill-after=20 "$left" python3 -m memstudy --db "$db" grid "benchmarks/specs/$spec.toml" ${PAPER2_ARGS:-} 2>&1 | tee -a "$RES/paper-2gpu/grid.log"
+            done
+            python3 benchmarks/bench_paper.py "$db" --format md --original benchmarks/results/h100/paper/paper-protocol-512px.sqlite > "$RES/paper-2gpu/tables.md" 2>&1 ;;
         compress-quality) $PY benchmarks/bench_compress.py --part quality --out "$RES/compress" ${COMPRESSQUALITY_ARGS:-} 2>&1 | tee -a "$RES/compress.log" ;;
         *) echo "unknown step $step" ;;
     esac
