@@ -80,11 +80,12 @@ for item in $STEPS; do
         tile-native) $PY benchmarks/bench_ladder.py --part native --out "$RES" ${TILENATIVE_ARGS:-} 2>&1 | tee -a "$RES/ladder.log" ;;
         # issue 23's two targets in one step: the 4 GiB set at 4188 px beside the tuned step, and the
         # 8 GiB set at 8192 px, each run twice (their step times spread between runs: BENCHMARKS.md),
-        # with the kernel attribution of each profiled step (docs/metrics.md, "Step profile")
+        # with the kernel attribution of each profiled step (docs/metrics.md, "Step profile") and, at
+        # 4188 px, where the allocator released its cache to make room (MEMSTUDY_ALLOC_TRACE)
         tile-targets) mkdir -p "$RES/targets-4188" "$RES/targets-8192"
             four=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.BEST)")
             eight=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.BEST_LEVELS3)")
-            MEMSTUDY_PROFILE_TABLE="$RES/targets-4188/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/targets-4188" --size 4188 --budget 4GiB --steps 8 --no-float32 --tiled-set "$four;$four" 2>&1 | tee -a "$RES/targets.log"
+            MEMSTUDY_PROFILE_TABLE="$RES/targets-4188/kernels.txt" MEMSTUDY_ALLOC_TRACE="$RES/targets-4188/releases.md" $PY benchmarks/bench_ladder.py --part native --out "$RES/targets-4188" --size 4188 --budget 4GiB --steps 8 --no-float32 --tiled-set "$four;$four" 2>&1 | tee -a "$RES/targets.log"
             MEMSTUDY_PROFILE_TABLE="$RES/targets-8192/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/targets-8192" --size 8192 --budget 8GiB --steps 6 --no-float32 --no-references --tiled-set "$eight;$eight" 2>&1 | tee -a "$RES/targets.log" ;;
         compress) $PY benchmarks/bench_compress.py --part memory --out "$RES/compress" ${COMPRESS_ARGS:---sizes 2048 --bases original,amp:bf16+checkpoint} 2>&1 | tee -a "$RES/compress.log" ;;
         compress-breakdown) $PY benchmarks/bench_compress.py --part breakdown --out "$RES/compress" ${COMPRESSBREAKDOWN_ARGS:---sizes 2048} 2>&1 | tee -a "$RES/compress.log" ;;

@@ -18,6 +18,8 @@ the same GPU time attributed to where it was spent (`attribution_table`: per op,
 shapes, its callers up to the nearest labelled range such as a tile region's sweep), and how
 much of the host <-> device copies' time overlapped other GPU work, beside the host's longest
 CUDA runtime calls (`copy_overlap`: a copy that overlaps nothing is on the critical path).
+MEMSTUDY_ALLOC_TRACE does the same for the allocator's cache releases (retries) in that step
+(alloc_trace).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import os
 import time
 
 import torch
+
+from memstudy.meters import alloc_trace
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
             "cudaGraphLaunch", "cudaLaunchCooperativeKernel")
@@ -59,7 +63,8 @@ def step_profile(series: list, rank: int, device: torch.device):
     table = os.environ.get("MEMSTUDY_PROFILE_TABLE")
     with torch.profiler.profile(activities=activities, record_shapes=bool(table)) as prof:
         t0 = time.perf_counter()
-        yield
+        with alloc_trace.traced(device):  # MEMSTUDY_ALLOC_TRACE: where the allocator made room
+            yield
         torch.cuda.synchronize(device)
         wall_ms = (time.perf_counter() - t0) * 1000
     launches, gpu = 0, []
