@@ -102,7 +102,7 @@ for item in $STEPS; do
             $PY -m memstudy --db "$RES/paper/paper-protocol-512px.sqlite" grid benchmarks/specs/paper-protocol.toml ${PAPER_ARGS:-} 2>&1 | tee "$RES/paper/grid.log"
             python3 benchmarks/bench_paper.py "$RES/paper/paper-protocol-512px.sqlite" --format md --figure "$RES/paper/figure2.png" > "$RES/paper/tables.md" 2>&1 ;;
         # Tables 3-6 (two GPUs, docs/paper.md): both two-GPU specs resumed on a copy of PAPER2_DB
-        # (default: start empty), PAPER2_ARGS e.g. "--cells-per-gpu 2"; tables beside the H100 Original
+        # (default: start empty), PAPER2_ARGS e.g. "--timeout 1200"; tables beside the H100 Original
         paper-2gpu) mkdir -p "$RES/paper-2gpu"; db="$RES/paper-2gpu/paper-protocol-2gpu.sqlite"
             [ -n "${PAPER2_DB:-}" ] && { cp "$PAPER2_DB" "$db" || continue; }
             start=$SECONDS

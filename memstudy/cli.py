@@ -257,7 +257,7 @@ def add_study_parsers(sub) -> None:
                       help="run N cells side by side on each GPU (default 1: a GPU is a "
                       "cell's alone); their losses and allocator figures are their own, their "
                       "times are not, and the reports leave those out (docs/grid.md); not with "
-                      "a budget")
+                      "a budget, nor for cells on several GPUs")
     grid.add_argument("--budget", help="memory budget for every cell, e.g. 8GiB")
     grid.add_argument("--timeout", type=float, help="per-cell timeout in seconds")
     grid.add_argument("--retry", metavar="KINDS", help="run again the recorded cells whose last "

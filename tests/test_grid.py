@@ -252,6 +252,14 @@ def test_cells_per_gpu_refuses_budgets_and_other_launchers(tmp_path, capsys):
         assert main(["--db", db, "grid", str(gpu_spec), *extra]) == 2, extra
         err = capsys.readouterr().err
         assert err.startswith("memstudy: error: ") and message in err and err.count("\n") == 1, err
+    # a run on two GPUs records no neighbours: its times would pass for its own
+    (tmp_path / "dp").mkdir()
+    dp_spec = write_spec(tmp_path / "dp", [192], techniques=["dp"], batch_sizes=[2],
+                         base={**BASE, "world_size": 2, "train": {**BASE["train"], "device": "cuda"}})
+    for extra, message in ((["--cells-per-gpu", "2"], "with cells on several GPUs (dp 192px"),):
+        assert main(["--db", db, "grid", str(dp_spec), *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("memstudy: error: ") and message in err and err.count("\n") == 1, err
     assert not os.path.exists(db)  # refused before anything was created
     # CPU cells have no GPU to share: a budget is fine there
     assert main(["--db", db, "grid", str(spec), "--cells-per-gpu", "2", "--budget", "4GiB",

@@ -75,17 +75,27 @@ def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
 
 
 def check_sharing(cells: list[Cell], per_gpu: int) -> None:
-    """Cells may share a GPU (`per_gpu` > 1) only without a memory budget: a budget caps the
+    """Cells may share a GPU (`per_gpu` > 1) only without a memory budget (a budget caps the
     allocator at the budget less the CUDA context, which it measures from the device's used
-    memory, and the other cells' memory would be taken for context."""
+    memory, and the other cells' memory would be taken for context) and on one GPU each (a
+    run on several GPUs does not record the other processes on them, so its times would
+    pass for its own)."""
     if per_gpu < 1:
         raise ConfigError(f"--cells-per-gpu {per_gpu}: give 1 or more")
-    budgeted = [c for c in cells if c.config.budget and c.config.train.device != "cpu"]
-    if per_gpu > 1 and budgeted:
+    if per_gpu == 1:
+        return
+    on_gpu = [c for c in cells if c.config.train.device != "cpu"]
+    budgeted = [c for c in on_gpu if c.config.budget]
+    if budgeted:
         raise ConfigError(f"--cells-per-gpu {per_gpu} with a memory budget ({budgeted[0].describe()}: "
                           f"budget {budgeted[0].config.budget}): a budget measures the CUDA "
                           "context from the GPU's used memory, which cells beside it would add "
                           "to; run budgeted cells with --cells-per-gpu 1")
+    several = [c for c in on_gpu if c.gpus > 1 or c.config.world_size > 1]
+    if several:
+        raise ConfigError(f"--cells-per-gpu {per_gpu} with cells on several GPUs ({several[0].describe()}): "
+                          "such runs do not record the other processes on their GPUs, so their "
+                          "times would pass for their own; run them with --cells-per-gpu 1")
 
 
 def check_gpu_needs(cells: list[Cell], gpus: list[str] | None) -> list[str]:
