@@ -81,7 +81,7 @@ def build_html(source: str, tables: dict[str, list[dict[str, Any]]], resolution:
     parts = [f"<h1>memstudy report</h1><p>{escape(source)} &middot; generated "
              f"{time.strftime('%Y-%m-%d %H:%M')} &middot; click a column header to sort, "
              "a legend entry to hide or show a series, hover a point for its values</p>",
-             _contents([*tables, "resolution"])]
+             _contents([(name, TITLES[name]) for name in tables] + [("resolution", RESOLUTION_TITLE)])]
     for name, rows in tables.items():
         parts.append(f'<h2 id="{name}">{escape(TITLES[name])}</h2>')
         parts.append(_table(name, rows))
@@ -96,10 +96,10 @@ def build_html(source: str, tables: dict[str, list[dict[str, Any]]], resolution:
             f"<script>{SORTER}</script></body></html>")
 
 
-def _contents(names: list[str]) -> str:
-    """A list of the sections, each linking to its heading (report.html#pareto opens there)."""
-    items = "".join(f'<li><a href="#{name}">{escape(TITLES.get(name, RESOLUTION_TITLE))}</a></li>'
-                    for name in names)
+def _contents(sections: list[tuple[str, str]]) -> str:
+    """A list of the (anchor, title) sections, each linking to its heading (report.html#pareto
+    opens there)."""
+    items = "".join(f'<li><a href="#{anchor}">{escape(title)}</a></li>' for anchor, title in sections)
     return f"<nav><ul>{items}</ul></nav>"
 
 
