@@ -45,6 +45,26 @@ def test_without_the_variable_nothing_is_recorded(monkeypatch):
         pass
 
 
+def test_the_traced_step_appends_its_table_and_stops_recording(monkeypatch, tmp_path):
+    """With the variable set, history is on over the step only (off again after a failing
+    step too) and the step's releases are appended to the file; PyTorch's calls stood in."""
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled=None, **kw: calls.append((enabled, kw.get("stacks"))))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda device: {"device_traces": [[], TRACE]})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    out = tmp_path / "releases.md"
+    monkeypatch.setenv(alloc_trace.ENV, str(out))
+    for _ in range(2):
+        with alloc_trace.traced(torch.device("cuda", 1)):
+            pass
+    assert calls == [("all", "python"), (None, None)] * 2
+    assert out.read_text().count("cache releases in the profiled step: 2") == 2  # appended
+    with pytest.raises(RuntimeError), alloc_trace.traced(torch.device("cuda", 1)):
+        raise RuntimeError("out of memory")
+    assert calls[-1] == (None, None) and out.read_text().count("releases in the profiled") == 2
+
+
 @pytest.mark.gpu
 def test_gpu_a_release_under_the_cap_is_found_with_its_caller(monkeypatch, tmp_path):
     """A cached 100 MB block cannot serve 150 MB, and the cap leaves no room for both: the
