@@ -340,6 +340,7 @@ def test_early_copies_start_as_each_region_begins_and_change_nothing_else():
     (plain, plain_uses, plain_grads), (off, uses, grads) = runs[False], runs[True]
     assert len(uses) == len(plain_uses) > 0 and set(plain_uses) == {1} and set(uses) == {0}
     assert off.early_copies == len(uses) and off.stats["early"] == len(uses)
+    assert plain.early_copies == 0  # copies made at a save are not early ones
     assert off.offloaded_bytes == plain.offloaded_bytes
     assert off.held_bytes == plain.held_bytes > 0  # hold=1 keeps the same last input
     window = ("prefetched", "on_demand", "reused")

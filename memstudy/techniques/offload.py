@@ -170,9 +170,7 @@ class Offloader:
         nothing."""
         if torch.is_grad_enabled():
             self._new_forward()
-            copied = self.offloaded_bytes
             self._offload(t, saved=False)
-            self.early_copies += self.offloaded_bytes > copied  # a new copy, not a known one
 
     def _offload(self, t: torch.Tensor, saved: bool = True) -> torch.Tensor:
         """The host copy standing for `t` (made now, or earlier for an earlier save of t), or
@@ -187,6 +185,7 @@ class Offloader:
             return known[2]
         if self._last.holds(t):
             return t
+        self.early_copies += not saved  # a new copy started as its region began
         host = self._copy_to_host(t, uses=int(saved))
         key = id(t)
         self._copies[key] = (weakref.ref(t, lambda _r, k=key: self._copies.pop(k, None)),
