@@ -31,6 +31,7 @@ from memstudy.errors import ConfigError, Diverged, PhaseFailure
 from memstudy.meters import PhaseRecorder
 from memstudy.meters.flops import model_flops_per_step, pixel_count
 from memstudy.meters.nvml import EnergyCounter
+from memstudy.meters.profile import check_diagnosis_files
 from memstudy.phases import STEP
 from memstudy.quality import min_image_size
 from memstudy.store import ResultsDB, RunRecord
@@ -65,6 +66,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
     plan = make_plan(config)  # raises ConfigError: nothing recorded
     prepare_process(plan)  # allocator settings, before anything initialises CUDA
     share_cpu_threads()  # recorded in env (num_threads)
+    check_diagnosis_files()  # raises ConfigError: nothing recorded
     plan.device = rank_device(plan.device)  # distributed: each rank trains on its own GPU
     resolved(config)
     train_set, val_set = build_datasets(  # raises on bad data and refused sizes

@@ -65,6 +65,20 @@ def test_the_traced_step_appends_its_table_and_stops_recording(monkeypatch, tmp_
     assert calls[-1] == (None, None) and out.read_text().count("releases in the profiled") == 2
 
 
+@pytest.mark.parametrize("name", ["MEMSTUDY_ALLOC_TRACE", "MEMSTUDY_PROFILE_TABLE"])
+def test_a_file_that_cannot_be_written_is_refused_as_the_run_starts(monkeypatch, tmp_path, name):
+    from memstudy.errors import ConfigError
+    from memstudy.meters.profile import check_diagnosis_files
+
+    monkeypatch.delenv("MEMSTUDY_ALLOC_TRACE", raising=False)
+    monkeypatch.delenv("MEMSTUDY_PROFILE_TABLE", raising=False)
+    monkeypatch.setenv(name, str(tmp_path / "ok.md"))
+    check_diagnosis_files()
+    monkeypatch.setenv(name, str(tmp_path / "no such folder" / "x.md"))
+    with pytest.raises(ConfigError, match=f"{name}=.*cannot write there.*unset it"):
+        check_diagnosis_files()
+
+
 @pytest.mark.gpu
 def test_gpu_a_release_under_the_cap_is_found_with_its_caller(monkeypatch, tmp_path):
     """A cached 100 MB block cannot serve 150 MB, and the cap leaves no room for both: the

@@ -29,7 +29,26 @@ import time
 
 import torch
 
+from memstudy.errors import ConfigError
 from memstudy.meters import alloc_trace
+
+TABLE_ENV = "MEMSTUDY_PROFILE_TABLE"
+
+
+def check_diagnosis_files() -> None:
+    """The files the diagnosis variables name (MEMSTUDY_PROFILE_TABLE, MEMSTUDY_ALLOC_TRACE)
+    can be appended to: checked as a run starts, not after its warm-up."""
+    for name in (TABLE_ENV, alloc_trace.ENV):
+        path = os.environ.get(name)
+        if not path:
+            continue
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"{name}={path!r}: cannot write there ({exc.strerror}); name a "
+                              "writable file or unset it") from None
+
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
             "cudaGraphLaunch", "cudaLaunchCooperativeKernel")
@@ -60,7 +79,7 @@ def on_gpu(event) -> bool:
 def step_profile(series: list, rank: int, device: torch.device):
     """Profile the enclosed step; append its rows to `series` (docs/metrics.md)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    table = os.environ.get("MEMSTUDY_PROFILE_TABLE")
+    table = os.environ.get(TABLE_ENV)
     with torch.profiler.profile(activities=activities, record_shapes=bool(table)) as prof:
         t0 = time.perf_counter()
         with alloc_trace.traced(device):  # MEMSTUDY_ALLOC_TRACE: where the allocator made room
