@@ -29,14 +29,21 @@ def test_each_run_of_releases_is_one_with_the_allocation_after_it():
     assert alloc_trace.releases([_entry("alloc", 1), _entry("free_completed", 1)]) == []
 
 
-def test_the_table_names_memstudys_own_frame_first():
+MODULE = {"filename": "/x/torch/nn/modules/conv.py", "line": 9, "name": "forward"}
+
+
+def test_the_table_names_the_operation_and_memstudys_frame_that_ran_it():
     table = alloc_trace.release_table(TRACE)
     assert "cache releases in the profiled step: 2" in table
-    assert "| 1 | 400.0 | 500.0 | 7 | chunk_loss (quality.py:88) |" in table
+    assert "| 1 | 400.0 | 500.0 | 7 | conv2d (functional.py:5) < chunk_loss (quality.py:88) |" in table
     assert "| 2 | 2.0 | - | - | (no request after it) |" in table
-    # no frame of memstudy's: the innermost frames of any code
-    assert "conv2d (functional.py:5)" in alloc_trace.release_table(
-        [_entry("segment_free", 1), _entry("alloc", 1, [TORCH])])
+    # memstudy's frame deeper than the innermost two: still named, after them
+    deep = alloc_trace.release_table([_entry("segment_free", 1),
+                                      _entry("alloc", 1, [TORCH, MODULE, TORCH, LOSS])])
+    assert "conv2d (functional.py:5) < forward (conv.py:9) < chunk_loss (quality.py:88) |" in deep
+    # no frame of memstudy's: the innermost frames of any code only
+    assert "| conv2d (functional.py:5) < forward (conv.py:9) |" in alloc_trace.release_table(
+        [_entry("segment_free", 1), _entry("alloc", 1, [TORCH, MODULE])])
 
 
 def test_without_the_variable_nothing_is_recorded(monkeypatch):

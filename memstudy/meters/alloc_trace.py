@@ -45,12 +45,20 @@ def releases(trace: list[dict]) -> list[dict]:
     return found
 
 
-def _where(frames: list[dict], depth: int = 3) -> str:
-    """The innermost `depth` frames of memstudy's own code, else of any code."""
-    ours = [f for f in frames if f.get("filename", "").startswith(PACKAGE)]
-    picked = (ours or frames)[:depth]
-    return " < ".join(f"{f.get('name', '?')} ({os.path.basename(f.get('filename', '?'))}:"
-                      f"{f.get('line', '?')})" for f in picked)
+def _frame(frame: dict) -> str:
+    return (f"{frame.get('name', '?')} ({os.path.basename(frame.get('filename', '?'))}:"
+            f"{frame.get('line', '?')})")
+
+
+def _where(frames: list[dict], depth: int = 2) -> str:
+    """The innermost `depth` frames of any code (the operation that asked: a convolution's
+    workspace and its output come from the same line), then, if not among them, the innermost
+    frame of memstudy's own code (which of its regions, sweeps or losses ran it)."""
+    picked = frames[:depth]
+    ours = next((f for f in frames if f.get("filename", "").startswith(PACKAGE)), None)
+    if ours is not None and ours not in picked:
+        picked = picked + [ours]
+    return " < ".join(_frame(f) for f in picked)
 
 
 def release_table(trace: list[dict]) -> str:
