@@ -8,6 +8,12 @@ The model holds no technique code. It names its parts so techniques can act per 
 `encoder_stages` (stem, layer1..layer4), `residual_stages` (layer1..layer4, each a
 Sequential of BasicBlocks) and `decoder_blocks`.
 
+The decoder's nearest up-sampling runs in its input's dtype (`DecoderBlock`): CUDA autocast
+lists `upsample_nearest2d` among the ops it runs in float32, so under `amp` smp's block would
+write its up-sampled input and the concatenation with the skip in float32 (at 4188 px decoder
+block 2's is 843 MB instead of 422 MB, plus a cast copy for the convolution, and their
+float32 gradients). Nearest up-sampling copies values, so the block's output is the same.
+
 Any image size: the U-Net's five down-samplings need sides that are multiples of 32, so
 `forward` reflect-pads the bottom and right edges up to the next multiple (`padding_for`),
 runs `forward_padded`, and crops the output back; losses and metrics see real pixels only.
@@ -19,6 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import segmentation_models_pytorch as smp
+from segmentation_models_pytorch.decoders.unet.decoder import UnetDecoderBlock
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,11 +64,36 @@ def upsampled_elements(batch: int, height: int, width: int, folded_levels: int =
                 for k in range(blocks - folded_levels)), default=0)
 
 
+class DecoderBlock(UnetDecoderBlock):
+    """smp's U-Net decoder block with its nearest up-sampling outside autocast: in the input's
+    dtype, which is what the convolution after it would cast back to. The same values (nearest
+    copies them; the block's convolution sees the same bits), half the bytes under bf16 / fp16
+    autocast. tests/test_models.py compares it with smp's block."""
+
+    def forward(self, feature_map: torch.Tensor, target_height: int, target_width: int,
+                skip_connection: torch.Tensor | None = None) -> torch.Tensor:
+        with torch.autocast(feature_map.device.type, enabled=False):
+            feature_map = F.interpolate(feature_map, size=(target_height, target_width),
+                                        mode=self.interpolation_mode)
+        if skip_connection is not None:
+            feature_map = torch.cat([feature_map, skip_connection], dim=1)
+            feature_map = self.attention1(feature_map)
+        feature_map = self.conv1(feature_map)
+        feature_map = self.conv2(feature_map)
+        return self.attention2(feature_map)
+
+
 class ContrastUNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = smp.Unet(ENCODER, encoder_weights=None, in_channels=1, classes=1,
                             activation="sigmoid", decoder_channels=DECODER_CHANNELS)
+        for block in self.net.decoder.blocks:
+            if type(block) is not UnetDecoderBlock:  # a new smp: compare before adopting it
+                raise TypeError(f"segmentation-models-pytorch's decoder block is now "
+                                f"{type(block).__name__}; memstudy.models.unet.DecoderBlock "
+                                "replaces UnetDecoderBlock only")
+            block.__class__ = DecoderBlock  # same parameters and state; forward as above
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         height, width = x.shape[-2:]

@@ -1,0 +1,103 @@
+"""memstudy's U-Net against segmentation-models-pytorch's: the decoder block that up-samples in
+its input's dtype (memstudy.models.unet.DecoderBlock) computes what smp's block computes."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from segmentation_models_pytorch.decoders.unet.decoder import UnetDecoderBlock
+from torch.overrides import TorchFunctionMode
+
+from memstudy.models import build_unet
+from memstudy.models.unet import DecoderBlock
+
+
+def _smp_twin(model):
+    """A copy of `model` whose decoder blocks run smp's own forward."""
+    twin = copy.deepcopy(model)
+    for block in twin.decoder.blocks:
+        block.__class__ = UnetDecoderBlock
+    return twin
+
+
+def _step(model, x):
+    out = model(x)
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_every_decoder_block_is_memstudys():
+    assert all(type(b) is DecoderBlock for b in build_unet(seed=0).decoder.blocks)
+
+
+def test_float64_output_and_gradients_equal_smps_block():
+    model = build_unet(seed=0).double()
+    x = torch.rand(1, 1, 96, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    out, grads = _step(model, x)
+    ref_out, ref_grads = _step(_smp_twin(model), x)
+    assert torch.equal(out, ref_out)
+    for name, ref in ref_grads.items():
+        assert torch.equal(grads[name], ref), name
+
+
+class _AutocastAtInterpolate(TorchFunctionMode):
+    """Whether autocast was on at each nearest up-sampling."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.interpolate:
+            self.seen.append(torch.is_autocast_enabled("cpu"))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_up_sampling_runs_outside_autocast():
+    """CPU autocast keeps upsample_nearest2d in bf16 anyway; what CUDA's list would promote is
+    the call made under autocast, so the test checks autocast is off at every up-sampling."""
+    model = build_unet(seed=0)
+    mode = _AutocastAtInterpolate()
+    with torch.autocast("cpu", dtype=torch.bfloat16), mode:
+        model(torch.rand(1, 1, 64, 64))
+    assert mode.seen == [False] * len(model.decoder.blocks)
+
+
+def test_a_changed_smp_block_is_refused(monkeypatch):
+    import segmentation_models_pytorch.decoders.unet.decoder as smp_decoder
+
+    class Newer(UnetDecoderBlock):
+        pass
+
+    monkeypatch.setattr(smp_decoder, "UnetDecoderBlock", Newer)
+    with pytest.raises(TypeError, match="decoder block is now Newer"):
+        build_unet(seed=0)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_autocast_keeps_the_decoder_in_bf16_with_smps_gradients():
+    """Under CUDA bf16 autocast smp's block concatenates in float32 (autocast promotes the
+    up-sampling); memstudy's in bf16, with the same output and gradients: bitwise, or within one
+    bf16 rounding where the up-sampling's backward sums in another order (stated tolerance
+    1e-2 relative, per tensor)."""
+    device = torch.device("cuda")
+    model = build_unet(seed=0).to(device)
+    twin = _smp_twin(model)
+    x = torch.rand(1, 1, 256, 256, device=device, generator=torch.Generator(device).manual_seed(0))
+    cats = []
+    hook = lambda m, args, out: cats.append(args[0].dtype)  # noqa: E731 - conv1's input
+    handles = [b.conv1.register_forward_hook(hook) for b in (*model.decoder.blocks, *twin.decoder.blocks)]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, grads = _step(model, x)
+        ref_out, ref_grads = _step(twin, x)
+    for h in handles:
+        h.remove()
+    blocks = len(model.decoder.blocks)
+    assert cats[:blocks] == [torch.bfloat16] * blocks
+    assert torch.float32 in cats[blocks:]  # smp's, promoted: what the change removes
+    assert torch.equal(out, ref_out)
+    for name, ref in ref_grads.items():
+        error = (grads[name].float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)
+        assert error <= 1e-2, f"{name}: relative error {error:.3g}"
