@@ -30,19 +30,21 @@ import time
 from pathlib import Path
 
 # the best sets measured (docs/techniques/tile.md, "Measured"): boundary offload + keep=all at
-# levels=2 up to 6 GiB (8 strips fit 4 GiB since offload moves tile's region inputs), levels=3
-# with layer1 cut at its convolutions for 8192 px under 8 GiB, 16 strips, one boundary
-# prefetched (1.102 s against 1.194 s without, same run; 1.866 s before the layout fixes and
-# the folded up-convolution). At 4 GiB the last boundary (block 4's first convolution output,
-# the top region's input) is held on the device (offload:hold=1): 0.248 / 0.251 s against
-# 0.277 / 0.295 s without, alternating in one run (native-4188-4gib-hold.md); keep=half's fewer
-# sweeps cost more bus traffic than they save there (native-4188-4gib-half*.md)
+# levels=2 up to 6 GiB, levels=3 with layer1 cut at its convolutions for 8192 px under 8 GiB,
+# one boundary prefetched. At 4 GiB the last boundary (the top region's input) is held on the
+# device (offload:hold=1, native-4188-4gib-hold.md); keep=half's fewer sweeps cost more bus
+# traffic than they save (native-4188-4gib-half*.md). Since the decoder up-samples in bf16
+# (memstudy/models/unet.py) taller strips fit: NATIVE_SET, 4 strips, is the fastest at 4188 px
+# under 4 GiB (0.231 s against 0.253 s with 8 in one run, 0.219 / 0.224 against 0.221 s in
+# another: native-4188-4gib-strips*.md) but stops at 4096 px on the 4 GiB ladder, where BEST's
+# 8 strips reach further (ladder-4gib-strips4.md, ladder-4gib-rows.md); at 8 GiB 12 strips,
+# 1.076 s against 1.223 s with 16 in one run (native-8192-8gib-strips.md).
 BEST = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,tile:8:keep=all,"
         "allocator:expandable_segments=true")
 BEST_LEVELS3 = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
-                "tile:16:levels=3:keep=conv1:layer1=convs,allocator:expandable_segments=true")
+                "tile:12:levels=3:keep=conv1:layer1=convs,allocator:expandable_segments=true")
 LADDER_SETS = f"{BEST};{BEST_LEVELS3}"
-NATIVE_SET = BEST
+NATIVE_SET = BEST.replace("tile:8:", "tile:4:")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

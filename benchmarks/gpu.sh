@@ -83,7 +83,7 @@ for item in $STEPS; do
         # with the kernel attribution of each profiled step (docs/metrics.md, "Step profile") and, at
         # 4188 px, where the allocator released its cache to make room (MEMSTUDY_ALLOC_TRACE)
         tile-targets) mkdir -p "$RES/targets-4188" "$RES/targets-8192"
-            four=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.BEST)")
+            four=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.NATIVE_SET)")
             eight=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.BEST_LEVELS3)")
             MEMSTUDY_PROFILE_TABLE="$RES/targets-4188/kernels.txt" MEMSTUDY_ALLOC_TRACE="$RES/targets-4188/releases.md" $PY benchmarks/bench_ladder.py --part native --out "$RES/targets-4188" --size 4188 --budget 4GiB --steps 8 --no-float32 --tiled-set "$four;$four" 2>&1 | tee -a "$RES/targets.log"
             MEMSTUDY_PROFILE_TABLE="$RES/targets-8192/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/targets-8192" --size 8192 --budget 8GiB --steps 6 --no-float32 --no-references --tiled-set "$eight;$eight" 2>&1 | tee -a "$RES/targets.log" ;;
