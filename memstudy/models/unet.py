@@ -22,6 +22,7 @@ A technique that changes how the network itself runs (spatial tiling) replaces
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import segmentation_models_pytorch as smp
@@ -72,7 +73,10 @@ class DecoderBlock(UnetDecoderBlock):
 
     def forward(self, feature_map: torch.Tensor, target_height: int, target_width: int,
                 skip_connection: torch.Tensor | None = None) -> torch.Tensor:
-        with torch.autocast(feature_map.device.type, enabled=False):
+        kind = feature_map.device.type  # "meta" (FLOP counting) has no autocast to leave
+        outside = (torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind)
+                   else contextlib.nullcontext())
+        with outside:
             feature_map = F.interpolate(feature_map, size=(target_height, target_width),
                                         mode=self.interpolation_mode)
         if skip_connection is not None:
