@@ -44,7 +44,8 @@ BEST = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,tile:8:k
 BEST_LEVELS3 = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
                 "tile:12:levels=3:keep=conv1:layer1=convs,allocator:expandable_segments=true")
 LADDER_SETS = f"{BEST};{BEST_LEVELS3}"
-NATIVE_SET = BEST.replace("tile:8:", "tile:4:")
+NATIVE_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,tile:4:keep=all,"
+              "allocator:expandable_segments=true")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from segmentation_models_pytorch.decoders.unet.decoder import UnetDecoderBlock
 from torch.overrides import TorchFunctionMode
 
+from memstudy.errors import MemstudyError
 from memstudy.models import build_unet
 from memstudy.models.unet import DecoderBlock
 
@@ -65,15 +66,23 @@ def test_the_up_sampling_runs_outside_autocast():
     assert mode.seen == [False] * len(model.decoder.blocks)
 
 
-def test_a_changed_smp_block_is_refused(monkeypatch):
+@pytest.mark.parametrize("forward", [UnetDecoderBlock.forward, lambda self, x, skip=None: x])
+def test_a_changed_smp_block_is_refused_by_name(monkeypatch, forward):
+    """Another class, or smp's class with an older forward (x, skip): refused, naming the fix."""
     import segmentation_models_pytorch.decoders.unet.decoder as smp_decoder
 
     class Newer(UnetDecoderBlock):
         pass
 
+    Newer.forward = forward
     monkeypatch.setattr(smp_decoder, "UnetDecoderBlock", Newer)
-    with pytest.raises(TypeError, match="decoder block is now Newer"):
+    with pytest.raises(MemstudyError, match="decoder block is Newer.*install segmentation-models"):
         build_unet(seed=0)
+    if forward is not UnetDecoderBlock.forward:  # the same class with an old forward
+        monkeypatch.setattr(smp_decoder, "UnetDecoderBlock", UnetDecoderBlock)
+        monkeypatch.setattr(UnetDecoderBlock, "forward", forward)
+        with pytest.raises(MemstudyError, match=r"UnetDecoderBlock\('self', 'x', 'skip'\)"):
+            build_unet(seed=0)
 
 
 @pytest.mark.gpu
@@ -88,7 +97,8 @@ def test_gpu_bf16_autocast_keeps_the_decoder_in_bf16_with_smps_gradients():
     x = torch.rand(1, 1, 256, 256, device=device, generator=torch.Generator(device).manual_seed(0))
     cats = []
     hook = lambda m, args, out: cats.append(args[0].dtype)  # noqa: E731 - conv1's input
-    handles = [b.conv1.register_forward_hook(hook) for b in (*model.decoder.blocks, *twin.decoder.blocks)]
+    both = (*model.decoder.blocks, *twin.decoder.blocks)
+    handles = [b.conv1.register_forward_hook(hook) for b in both]
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out, grads = _step(model, x)
         ref_out, ref_grads = _step(twin, x)

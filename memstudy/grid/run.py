@@ -87,13 +87,15 @@ def check_sharing(cells: list[Cell], per_gpu: int) -> None:
     on_gpu = [c for c in cells if c.config.train.device != "cpu"]
     budgeted = [c for c in on_gpu if c.config.budget]
     if budgeted:
-        raise ConfigError(f"--cells-per-gpu {per_gpu} with a memory budget ({budgeted[0].describe()}: "
-                          f"budget {budgeted[0].config.budget}): a budget measures the CUDA "
+        first = budgeted[0]
+        raise ConfigError(f"--cells-per-gpu {per_gpu} with a memory budget ({first.describe()}: "
+                          f"budget {first.config.budget}): a budget measures the CUDA "
                           "context from the GPU's used memory, which cells beside it would add "
                           "to; run budgeted cells with --cells-per-gpu 1")
     several = [c for c in on_gpu if c.gpus > 1 or c.config.world_size > 1]
     if several:
-        raise ConfigError(f"--cells-per-gpu {per_gpu} with cells on several GPUs ({several[0].describe()}): "
+        raise ConfigError(f"--cells-per-gpu {per_gpu} with cells on several GPUs "
+                          f"({several[0].describe()}): "
                           "such runs do not record the other processes on their GPUs, so their "
                           "times would pass for their own; run them with --cells-per-gpu 1")
 

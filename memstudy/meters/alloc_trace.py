@@ -70,7 +70,8 @@ def release_table(trace: list[dict]) -> str:
     for n, release in enumerate(found, 1):
         request = release["request"]
         if request is None:
-            lines.append(f"| {n} | {release['released'] / 1e6:.1f} | - | - | (no request after it) |")
+            lines.append(f"| {n} | {release['released'] / 1e6:.1f} | - | - | "
+                         "(no request after it) |")
             continue
         lines.append(f"| {n} | {release['released'] / 1e6:.1f} | {request['size'] / 1e6:.1f} | "
                      f"{request.get('stream', '?')} | {_where(request.get('frames', []))} |")

@@ -108,11 +108,11 @@ def device_handle(device: torch.device):
 
 class GpuNeighbours:
     """The most other processes seen holding a CUDA context on this run's GPU: NVML's compute
-    processes of the device but this one and those it started (`_others`). Their kernels share the GPU's time, so a run that
-    saw any has step and epoch times that are not its own (and an NVML peak that includes
-    their memory); its allocator figures are its own. `look` is cheap (one NVML query) and is
-    called once per measured step, before its clock starts, and at each epoch end, never
-    inside a timed step."""
+    processes of the device but this one and those it started (`_others`). Their kernels
+    share the GPU's time, so a run that saw any has step and epoch times that are not its own
+    (and an NVML peak that includes their memory); its allocator figures are its own. `look`
+    is cheap (one NVML query) and is called once per measured step, before its clock starts,
+    and at each epoch end, never inside a timed step."""
 
     def __init__(self, handle):
         self.handle = handle

@@ -23,6 +23,7 @@ A technique that changes how the network itself runs (spatial tiling) replaces
 from __future__ import annotations
 
 import contextlib
+import inspect
 from pathlib import Path
 
 import segmentation_models_pytorch as smp
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memstudy.errors import ConfigError
+from memstudy.errors import ConfigError, MemstudyError
 
 ENCODER = "resnet34"
 STRIDE = 32  # total down-sampling of the encoder: padded sides are multiples of this
@@ -87,16 +88,31 @@ class DecoderBlock(UnetDecoderBlock):
         return self.attention2(feature_map)
 
 
+# smp's block as DecoderBlock was written against (segmentation-models-pytorch 0.6)
+SMP_BLOCK_FORWARD = ("self", "feature_map", "target_height", "target_width", "skip_connection")
+
+
+def check_smp_decoder_block(blocks: nn.ModuleList) -> None:
+    """smp built the decoder blocks DecoderBlock replaces: UnetDecoderBlock, whose forward
+    takes the same arguments (an older smp's took (x, skip))."""
+    for block in blocks:
+        kind = type(block)
+        arguments = tuple(inspect.signature(kind.forward).parameters)
+        if kind is not UnetDecoderBlock or arguments != SMP_BLOCK_FORWARD:
+            raise MemstudyError(
+                f"segmentation-models-pytorch {smp.__version__}'s U-Net decoder block is "
+                f"{kind.__name__}{arguments}, not the UnetDecoderBlock{SMP_BLOCK_FORWARD} "
+                "memstudy.models.unet.DecoderBlock replaces; install "
+                "segmentation-models-pytorch 0.6")
+
+
 class ContrastUNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = smp.Unet(ENCODER, encoder_weights=None, in_channels=1, classes=1,
                             activation="sigmoid", decoder_channels=DECODER_CHANNELS)
+        check_smp_decoder_block(self.net.decoder.blocks)
         for block in self.net.decoder.blocks:
-            if type(block) is not UnetDecoderBlock:  # a new smp: compare before adopting it
-                raise TypeError(f"segmentation-models-pytorch's decoder block is now "
-                                f"{type(block).__name__}; memstudy.models.unet.DecoderBlock "
-                                "replaces UnetDecoderBlock only")
             block.__class__ = DecoderBlock  # same parameters and state; forward as above
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
