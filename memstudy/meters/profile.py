@@ -17,12 +17,15 @@ profiled step's kernels, by GPU time (torch.profiler's key_averages table), are 
 the same GPU time attributed to where it was spent (`attribution_table`: per op, its input
 shapes, its callers up to the nearest labelled range such as a tile region's sweep), and how
 much of the host <-> device copies' time overlapped other GPU work, beside the host's longest
-CUDA runtime calls (`copy_overlap`: a copy that overlaps nothing is on the critical path).
+CUDA runtime calls (`copy_overlap`: a copy that overlaps nothing is on the critical path), and
+where those exposed copies are (`exposed_copies`: who issued each, the kernel the GPU ran next,
+and whether that kernel was launched before the copy ended, so the GPU waited for the copy).
 MEMSTUDY_ALLOC_TRACE does the same for the allocator's cache releases (retries) in that step
 (alloc_trace).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import time
@@ -97,6 +100,7 @@ def step_profile(series: list, rank: int, device: torch.device):
             out.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40) + "\n")
             out.write(attribution_table(prof.events()) + "\n")
             out.write(copy_overlap(prof.events()) + "\n")
+            out.write(exposed_copies(prof.events()) + "\n")
     series += [(rank, 0, "launches_per_step", float(launches)),
                (rank, 0, "kernels_per_step", float(len(gpu))),
                (rank, 0, "gpu_busy_ms_per_step", busy_ms(gpu)),
@@ -175,4 +179,81 @@ def copy_overlap(events) -> str:
     lines += ["", "| CUDA runtime call | host ms | calls |", "|---|---|---|"]
     for name, (ms, calls) in sorted(runtime.items(), key=lambda kv: -kv[1][0])[:12]:
         lines.append(f"| {name} | {ms:.1f} | {calls} |")
+    return "\n".join(lines)
+
+
+def _subtract(span: tuple[float, float], union: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of `span` that no interval of the sorted, disjoint `union` covers."""
+    start, end = span
+    pieces = []
+    first = max(0, bisect.bisect_left(union, (start, start)) - 1)  # may cover `start`
+    for a, b in union[first:]:
+        if a >= end:
+            break
+        if b <= start:
+            continue
+        if a > start:
+            pieces.append((start, a))
+        start = max(start, b)
+    if start < end:
+        pieces.append((start, end))
+    return pieces
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _issuer(event, ops: dict) -> str:
+    """The op that launched a GPU event (profiler correlation), with its callers."""
+    op = ops.get(getattr(event, "linked_correlation_id", 0))
+    if op is None:
+        return "?"
+    callers = _callers(op, depth=2)
+    return op.name + (" < " + callers if callers else "")
+
+
+def exposed_copies(events, rows: int = 25, min_us: float = 20.0) -> str:
+    """The host <-> device copy time during which no kernel of any stream runs, grouped by the
+    op that issued the copy, the op of the first kernel to start after each exposed piece, and
+    why the GPU idled: `waited` when that kernel was launched before the piece ended (the GPU
+    had work queued behind the copy: an event wait, or the allocator's), `host` when it was
+    launched later (nothing was queued)."""
+    ops, launches, kernels, copies = {}, {}, [], []
+    for e in events:
+        if on_gpu(e):
+            (copies if e.name.startswith(COPIES) else kernels).append(e)
+        elif e.name in LAUNCHES:
+            launches[e.id] = e
+        elif not getattr(e, "linked_correlation_id", 0):
+            ops[e.id] = e
+    kernels.sort(key=lambda k: k.time_range.start)
+    starts = [k.time_range.start for k in kernels]
+    busy = _union([(k.time_range.start, k.time_range.end) for k in kernels])
+    groups: dict[tuple[str, str, str, str], list[float]] = {}
+    total = 0.0
+    for copy in copies:
+        for a, b in _subtract((copy.time_range.start, copy.time_range.end), busy):
+            if b - a < min_us:
+                continue
+            after = bisect.bisect_left(starts, b)
+            nxt = kernels[after] if after < len(kernels) else None
+            launch = launches.get(nxt.id) if nxt is not None else None
+            why = "-" if launch is None else ("waited" if launch.time_range.start < b else "host")
+            key = (copy.name.split(" ")[1], _issuer(copy, ops),
+                   _issuer(nxt, ops) if nxt is not None else "-", why)
+            entry = groups.setdefault(key, [0.0, 0])
+            entry[0] += (b - a) / 1000
+            entry[1] += 1
+            total += (b - a) / 1000
+    lines = [f"Copy time with no kernel running ({total:.1f} ms in pieces of {min_us:.0f} us or more)",
+             "| ms | pieces | copy | issued by | next kernel's op | GPU |", "|---|---|---|---|---|---|"]
+    for (kind, issuer, nxt, why), (ms, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"| {ms:.1f} | {n} | {kind} | {issuer} | {nxt} | {why} |")
     return "\n".join(lines)
