@@ -74,32 +74,38 @@ def test_copy_overlap_counts_only_kernels_of_other_streams():
 
 def test_exposed_copies_names_the_issuer_the_next_kernel_and_why_the_gpu_idled():
     """Copy time with no kernel running, split where kernels run, grouped by the op that
-    issued the copy and the first kernel after it: `waited` when that kernel had been launched
-    before the copy ended (queued behind it), `host` when it was launched later."""
+    issued the copy and the first kernel after it (found through the CUDA runtime call with the
+    GPU event's correlation id, which runs inside the op): `waited` when that kernel had been
+    launched before the copy ended (queued behind it), `host` when it was launched later."""
     from memstudy.meters.profile import exposed_copies
 
-    def linked(event, op_id, own_id):
-        event.linked_correlation_id, event.id = op_id, own_id
+    def gpu(name, start, end, correlation, stream=1):
+        event = _event(name, "cuda", start, end, stream=stream)
+        event.id = correlation
+        return event
+
+    def call(name, start, op, correlation):
+        event = _event(name, "cpu", start, start + 10, parent=op)
+        event.id = correlation
         return event
 
     sweep = _event("tile:top:apply backward", "cpu")
-    unpack = linked(_event("aten::copy_", "cpu", parent=sweep), 0, 1)
-    conv = linked(_event("aten::cudnn_convolution", "cpu", parent=sweep), 0, 2)
-    late = linked(_event("aten::add", "cpu"), 0, 3)
-    events = [unpack, conv, late,
+    unpack = _event("aten::copy_", "cpu", parent=sweep)
+    conv = _event("aten::cudnn_convolution", "cpu", parent=sweep)
+    late = _event("aten::add", "cpu")
+    events = [sweep, unpack, conv, late,
               # a 10 ms copy back; a kernel covers 2-4 ms of it: 8 ms exposed in two pieces
-              linked(_event("Memcpy HtoD (Pinned -> Device)", "cuda", 0, 10_000, stream=7), 1, 100),
-              linked(_event("other kernel", "cuda", 2_000, 4_000, stream=1), 2, 101),
+              gpu("Memcpy HtoD (Pinned -> Device)", 0, 10_000, 100, stream=7),
+              call("cudaMemcpyAsync", 0, unpack, 100),
+              gpu("other kernel", 2_000, 4_000, 101), call("cudaLaunchKernel", 100, conv, 101),
               # the convolution runs after the copy; it was launched at 1 ms: it waited
-              linked(_event("conv kernel", "cuda", 10_050, 12_000, stream=1), 2, 102),
-              linked(_event("cudaLaunchKernel", "cpu", 1_000, 1_010), 2, 102),
-              linked(_event("cudaLaunchKernel", "cpu", 100, 110), 2, 101),
+              gpu("conv kernel", 10_050, 12_000, 102), call("cudaLaunchKernel", 1_000, conv, 102),
               # a 1 ms copy out whose first 0.3 ms a kernel begun before it covers, then a
               # kernel launched only after it ended: the host was late
-              linked(_event("Memcpy DtoH (Device -> Pinned)", "cuda", 20_000, 21_000, stream=7), 1, 103),
-              linked(_event("earlier kernel", "cuda", 19_500, 20_300, stream=1), 3, 105),
-              linked(_event("add kernel", "cuda", 21_500, 21_600, stream=1), 3, 104),
-              linked(_event("cudaLaunchKernel", "cpu", 21_400, 21_410), 3, 104)]
+              gpu("Memcpy DtoH (Device -> Pinned)", 20_000, 21_000, 103, stream=7),
+              call("cudaMemcpyAsync", 19_000, unpack, 103),
+              gpu("earlier kernel", 19_500, 20_300, 105), call("cudaLaunchKernel", 19_400, late, 105),
+              gpu("add kernel", 21_500, 21_600, 104), call("cudaLaunchKernel", 21_400, late, 104)]
     lines = exposed_copies(events).splitlines()
     assert lines[0].startswith("Copy time with no kernel running (8.7 ms")
     assert lines[3] == ("| 8.0 | 2 | HtoD | aten::copy_ < tile:top:apply backward | "

@@ -80,6 +80,7 @@ SPECS = [CPU_SPEC.get(t.name, t.name) for t in list_techniques()]
 ALLOCATOR_REFUSED = "allocator configures PyTorch's CUDA caching allocator but train.device resolves to cpu"
 MP_REFUSED = 'mp needs world_size = 2 (got 1)'
 PIPELINE_REFUSED = 'pipeline:micro_batches=2 must divide train.batch_size 1'
+OFFLOAD_OPTIM_REFUSED = 'offload_optim keeps the optimizer state in host memory between steps, but train.device resolves to cpu, where it already is'
 OFFLOAD_REFUSED = 'offload moves tensors saved for backward from the GPU to host memory, but train.device resolves to cpu, where they already are'
 DASO_REFUSED = 'daso needs world_size >= 2 processes (got 1)'
 DP_REFUSED = 'dp needs train.warmup_steps >= 2 (got 1)'
@@ -109,6 +110,7 @@ SINGLES = {  # each technique alone
     'tri_accel:low=bf16:elastic=off': OK,
     'accumulate': OK,
     'ab': AB_REFUSED,
+    'offload_optim': OFFLOAD_OPTIM_REFUSED,
 }
 PAIRS = {  # every pair of SPECS, in registry (composition) order
     ('allocator', 'invertible'): ALLOCATOR_REFUSED,
@@ -282,6 +284,26 @@ PAIRS = {  # every pair of SPECS, in registry (composition) order
     ('amp:bf16', 'ab'): AB_REFUSED,
     ('tri_accel:low=bf16:elastic=off', 'ab'): AB_REFUSED,
     ('ab', 'accumulate'): AB_REFUSED,
+    # offload_optim (PARALLEL, order 5) with each other technique
+    ('allocator', 'offload_optim'): ALLOCATOR_REFUSED,
+    ('invertible', 'offload_optim'): OFFLOAD_OPTIM_REFUSED,
+    ('quantization', 'offload_optim'): OFFLOAD_OPTIM_REFUSED,
+    ('lowrank', 'offload_optim'): LOWRANK_REFUSED,
+    ('mp', 'offload_optim'): MP_REFUSED,
+    ('pipeline', 'offload_optim'): PIPELINE_REFUSED,
+    ('checkpoint', 'offload_optim'): OFFLOAD_OPTIM_REFUSED,
+    ('compress', 'offload_optim'): OFFLOAD_OPTIM_REFUSED,
+    ('tile', 'offload_optim'): OFFLOAD_OPTIM_REFUSED,
+    ('offload', 'offload_optim'): OFFLOAD_REFUSED,
+    ('compile:backend=aot_eager', 'offload_optim'): 'compile with offload_optim is not supported',
+    ('offload_optim', 'daso'): OFFLOAD_OPTIM_REFUSED,
+    ('offload_optim', 'dp'): OFFLOAD_OPTIM_REFUSED,
+    ('offload_optim', 'fsdp'): OFFLOAD_OPTIM_REFUSED,
+    ('offload_optim', 'zero'): OFFLOAD_OPTIM_REFUSED,
+    ('offload_optim', 'amp:bf16'): OFFLOAD_OPTIM_REFUSED,
+    ('offload_optim', 'tri_accel:low=bf16:elastic=off'): OFFLOAD_OPTIM_REFUSED,
+    ('offload_optim', 'ab'): OFFLOAD_OPTIM_REFUSED,
+    ('offload_optim', 'accumulate'): OFFLOAD_OPTIM_REFUSED,
 }
 
 

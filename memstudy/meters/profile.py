@@ -210,9 +210,11 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def _issuer(event, ops: dict) -> str:
-    """The op that launched a GPU event (profiler correlation), with its callers."""
-    op = ops.get(getattr(event, "linked_correlation_id", 0))
+def _issuer(event, runtime: dict) -> str:
+    """The op that launched a GPU event, with its callers: the CUDA runtime call sharing the
+    event's correlation id (a launch, copy or memset) runs inside that op."""
+    call = runtime.get(event.id)
+    op = call.cpu_parent if call is not None else None
     if op is None:
         return "?"
     callers = _callers(op, depth=2)
@@ -225,14 +227,12 @@ def exposed_copies(events, rows: int = 25, min_us: float = 20.0) -> str:
     why the GPU idled: `waited` when that kernel was launched before the piece ended (the GPU
     had work queued behind the copy: an event wait, or the allocator's), `host` when it was
     launched later (nothing was queued)."""
-    ops, launches, kernels, copies = {}, {}, [], []
+    runtime, kernels, copies = {}, [], []
     for e in events:
         if on_gpu(e):
             (copies if e.name.startswith(COPIES) else kernels).append(e)
-        elif e.name in LAUNCHES:
-            launches[e.id] = e
-        elif not getattr(e, "linked_correlation_id", 0):
-            ops[e.id] = e
+        elif e.name.startswith("cu") and not e.name.startswith("cudnn"):
+            runtime[e.id] = e  # a CUDA runtime call: a launch, copy or memset
     kernels.sort(key=lambda k: k.time_range.start)
     starts = [k.time_range.start for k in kernels]
     busy = _union([(k.time_range.start, k.time_range.end) for k in kernels])
@@ -244,10 +244,10 @@ def exposed_copies(events, rows: int = 25, min_us: float = 20.0) -> str:
                 continue
             after = bisect.bisect_left(starts, b)
             nxt = kernels[after] if after < len(kernels) else None
-            launch = launches.get(nxt.id) if nxt is not None else None
+            launch = runtime.get(nxt.id) if nxt is not None else None
             why = "-" if launch is None else ("waited" if launch.time_range.start < b else "host")
-            key = (copy.name.split(" ")[1], _issuer(copy, ops),
-                   _issuer(nxt, ops) if nxt is not None else "-", why)
+            key = (copy.name.split(" ")[1], _issuer(copy, runtime),
+                   _issuer(nxt, runtime) if nxt is not None else "-", why)
             entry = groups.setdefault(key, [0.0, 0])
             entry[0] += (b - a) / 1000
             entry[1] += 1
