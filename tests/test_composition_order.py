@@ -26,6 +26,8 @@ SETS = [
      ["checkpoint", "dp", "zero", "amp"]),
     (["accumulate:2", "compress:bits=8", "tile:4", "invertible"],
      ["invertible", "compress", "tile", "accumulate"]),
+    (["offload_optim", "daso", "amp:bf16", "offload:which=boundaries", "checkpoint"],
+     ["checkpoint", "offload", "offload_optim", "daso", "amp"]),
 ]
 
 

@@ -34,7 +34,7 @@ class Stage(IntEnum):
     STRUCTURE = 0  # invertible residuals, low-rank, quantization, model-parallel split
     ACTIVATION = 1  # checkpointing, offload, activation compression
     COMPILE = 2  # torch.compile
-    PARALLEL = 3  # DDP, ZeRO, FSDP wrappers
+    PARALLEL = 3  # DDP, ZeRO, FSDP wrappers, optimizer-state offload
     RUNTIME = 4  # autocast, loss scaling, adaptive precision, elastic batch, accumulation
 
 

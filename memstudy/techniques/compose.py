@@ -8,8 +8,11 @@ Order, and why it is this one:
    Then the model moves to its device, unless a structural technique placed it itself.
 2. ACTIVATION (checkpointing, offload, compression) wraps the forward of those modules.
 3. COMPILE traces the forward as the activation techniques left it.
-4. PARALLEL (DDP, ZeRO, FSDP) wraps the (compiled) model and the optimizer; DDP and FSDP
-   must see the parameters exactly as they will be trained.
+4. PARALLEL (DDP, ZeRO, FSDP, optimizer-state offload) wraps the (compiled) model and the
+   optimizer; DDP and FSDP must see the parameters exactly as they will be trained. The
+   optimizer-state offload (offload_optim, order 5) wraps the optimizer factory first, so
+   that every later wrapper of it (daso's and ab's step hooks, the LR policy installed after
+   all techniques) acts on its one step per training step, not on each bucket's inner step.
 5. RUNTIME (autocast, loss scaling, adaptive precision, elastic batch, accumulation) acts
    on the training step, not on modules, and may depend on the final parameter layout.
 Within a stage, techniques are applied in their declared `order`, then by name: the applied
