@@ -248,14 +248,20 @@ class RunConfig:
 def budget_size(budget: ByteSize) -> int:
     """A budget in bytes; a malformed one, or one of 0 (a cap of nothing, which would only run
     into an 'oom'), is refused naming the flag."""
+    return positive_bytes(budget, "budget", f"budget {budget!r} holds nothing; give a positive "
+                          "size, e.g. --budget 8GiB, or leave the budget out")
+
+
+def positive_bytes(text: ByteSize, what: str, if_zero: str) -> int:
+    """A byte size that must hold something: malformed is refused naming `what`, zero with
+    the message `if_zero`."""
     try:
-        limit = parse_bytes(budget, "budget")
+        size = parse_bytes(text, what)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if limit <= 0:
-        raise ConfigError(f"budget {budget!r} holds nothing; give a positive size, e.g. "
-                          "--budget 8GiB, or leave the budget out")
-    return limit
+    if size <= 0:
+        raise ConfigError(if_zero)
+    return size
 
 
 _SECTIONS = {"train": TrainConfig, "data": DataConfig, "meter": MeterConfig}

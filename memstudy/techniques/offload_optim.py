@@ -45,7 +45,7 @@ from typing import Any, Iterator
 
 import torch
 
-from memstudy.bytesize import parse_bytes
+from memstudy.config import positive_bytes
 from memstudy.errors import ConfigError, MemstudyError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
@@ -75,14 +75,9 @@ class Options:
 
 def bucket_bytes(opts: Options) -> int:
     """`bucket` in bytes; a malformed or non-positive size is refused, naming the option."""
-    try:
-        size = parse_bytes(opts.bucket, "offload_optim:bucket")
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if size <= 0:
-        raise ConfigError(f"offload_optim:bucket={opts.bucket!r} must be a positive byte size, "
+    return positive_bytes(opts.bucket, "offload_optim:bucket",
+                          f"offload_optim:bucket={opts.bucket!r} must be a positive byte size, "
                           "e.g. offload_optim:bucket=64MB")
-    return size
 
 
 def check(opts: Options, plan: Plan) -> None:
