@@ -108,6 +108,6 @@ def test_exposed_copies_names_the_issuer_the_next_kernel_and_why_the_gpu_idled()
               gpu("add kernel", 21_500, 21_600, 104), call("cudaLaunchKernel", 21_400, late, 104)]
     lines = exposed_copies(events).splitlines()
     assert lines[0].startswith("Copy time with no kernel running (8.7 ms")
-    assert lines[3] == ("| 8.0 | 2 | HtoD | aten::copy_ < tile:top:apply backward | "
+    assert lines[3] == ("| 8.0 | 2 | 0.0 | HtoD | aten::copy_ < tile:top:apply backward | "
                         "aten::cudnn_convolution < tile:top:apply backward | waited |")
-    assert lines[4] == "| 0.7 | 1 | DtoH | aten::copy_ < tile:top:apply backward | aten::add | host |"
+    assert lines[4] == "| 0.7 | 1 | 20.3 | DtoH | aten::copy_ < tile:top:apply backward | aten::add | host |"

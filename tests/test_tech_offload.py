@@ -296,6 +296,15 @@ def test_release_must_be_record_or_stream():
         TECH.parse(["release=later"])
 
 
+def test_back_pool_side_needs_copies_back_on_the_side_stream():
+    with pytest.raises(ConfigError, match="prefetch=0 and row_chunks=0 there are none"):
+        TECH.check(TECH.parse(["back_pool=side", "row_chunks=0"]), _plan("cuda"))
+    TECH.check(TECH.parse(["back_pool=side", "row_chunks=0", "prefetch=1"]), _plan("cuda"))
+    TECH.check(TECH.parse(["back_pool=side"]), _plan("cuda"))  # row chunks: accepted
+    with pytest.raises(ConfigError, match=r"back_pool='host' is not one of \['compute', 'side'\]"):
+        TECH.parse(["back_pool=host"])
+
+
 # -- on a GPU ------------------------------------------------------------------------------
 def _forward(record):
     return {name: v for _, phase, name, v in record.metrics if phase == "forward"}

@@ -171,13 +171,16 @@ def test_gpu_boundaries_brought_back_by_rows_give_the_same_gradients(make_config
     assert _error(grads(16), grads(0)) < 1e-12
 
 
-@pytest.mark.parametrize("variant", ["release=stream", "early=true", "early=true:release=stream"])
+@pytest.mark.parametrize("variant", ["release=stream", "early=true", "early=true:release=stream",
+                                     "back_pool=side", "back_pool=side:release=stream"])
 def test_gpu_early_copies_and_stream_order_release_give_the_same_gradients(make_config, variant):
     """float64, the 4 GiB set's offload with its copies out started as each region begins
     (early) and / or their memory released in stream order (release=stream: no record_stream;
     the compute stream waits for each copy when its tensor is freed), against the default:
     every gradient within 1e-12 relative (a copy that read a boundary before it was written, or
-    a block reused before its copy had read it, would be off by far more)."""
+    a block reused before its copy had read it, would be off by far more). back_pool=side: the
+    copies back (prefetched and by rows) in the side stream's own memory, not waiting for the
+    compute stream."""
     def grads(options):
         techniques = ["checkpoint", f"offload:which=boundaries:prefetch=1:hold=1{options}",
                       "tile:4:keep=all"]

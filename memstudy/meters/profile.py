@@ -235,6 +235,7 @@ def exposed_copies(events, rows: int = 25, min_us: float = 20.0) -> str:
             runtime[e.id] = e  # a CUDA runtime call: a launch, copy or memset
     kernels.sort(key=lambda k: k.time_range.start)
     starts = [k.time_range.start for k in kernels]
+    origin = min(starts[:1] + [c.time_range.start for c in copies], default=0.0)
     busy = _union([(k.time_range.start, k.time_range.end) for k in kernels])
     groups: dict[tuple[str, str, str, str], list[float]] = {}
     total = 0.0
@@ -248,12 +249,15 @@ def exposed_copies(events, rows: int = 25, min_us: float = 20.0) -> str:
             why = "-" if launch is None else ("waited" if launch.time_range.start < b else "host")
             key = (copy.name.split(" ")[1], _issuer(copy, runtime),
                    _issuer(nxt, runtime) if nxt is not None else "-", why)
-            entry = groups.setdefault(key, [0.0, 0])
+            entry = groups.setdefault(key, [0.0, 0, (a - origin) / 1000])
             entry[0] += (b - a) / 1000
             entry[1] += 1
             total += (b - a) / 1000
-    lines = [f"Copy time with no kernel running ({total:.1f} ms in pieces of {min_us:.0f} us or more)",
-             "| ms | pieces | copy | issued by | next kernel's op | GPU |", "|---|---|---|---|---|---|"]
-    for (kind, issuer, nxt, why), (ms, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:rows]:
-        lines.append(f"| {ms:.1f} | {n} | {kind} | {issuer} | {nxt} | {why} |")
+    lines = [f"Copy time with no kernel running ({total:.1f} ms in pieces of {min_us:.0f} us or "
+             "more; `first at`: ms after the step's first GPU work)",
+             "| ms | pieces | first at | copy | issued by | next kernel's op | GPU |",
+             "|---|---|---|---|---|---|---|"]
+    for (kind, issuer, nxt, why), (ms, n, first) in sorted(groups.items(),
+                                                          key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"| {ms:.1f} | {n} | {first:.1f} | {kind} | {issuer} | {nxt} | {why} |")
     return "\n".join(lines)

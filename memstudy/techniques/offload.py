@@ -50,6 +50,13 @@ How (a pack / unpack pair in the runtime's chain of saved-tensor transforms,
 - early (`early=true`, with tile): a tile region's inputs start their copy out as the region
   begins (runtime.watching_boundaries), overlapping its sweeps; the saves after the sweeps
   take the copy made. Measured no faster under the 4 GiB cap.
+- back_pool (`back_pool=side`): the device memory a copy back on the side stream writes into
+  comes from the side stream's own pool, so the copy waits only for its copy out, not for the
+  work queued on the compute stream when it was issued (`compute`, the default: memory from
+  the compute stream's pool, possibly still read by that queued work, so the side stream
+  first waits for it; a prefetch then starts only when the GPU reaches the unpack that issued
+  it). The price: memory freed there is cached for the side stream, and near a budget the
+  compute stream's allocations may flush it (allocator retries).
 - which: `all` saved tensors (above min_bytes), or only `boundaries`, the tensors checkpoint
   (and tile) mark as kept between regions (`runtime.mark_boundary`): the region inputs and
   skip connections, which dominate what checkpointed runs still save.
@@ -85,6 +92,7 @@ from memstudy.techniques.base import Build, Plan, Stage, Technique
 OFFLOADED = "_memstudy_offloaded"
 WHICH = ("all", "boundaries")
 RELEASE = ("record", "stream")
+BACK_POOLS = ("compute", "side")
 
 
 @dataclass
@@ -116,6 +124,12 @@ class Options:
         "help": "a tile region's inputs start their copy to the host as the region starts, so "
                 "it overlaps the region's sweeps (false: when the region's first sweep saves "
                 "them, after it)"})
+    back_pool: str = field(default="compute", metadata={
+        "choices": BACK_POOLS,
+        "help": "where copies back on the side stream (prefetch, row chunks) get their device "
+                "memory: compute, the compute stream's pool (the copy first waits for the work "
+                "queued there); side, the side stream's own pool (the copy waits only for its "
+                "copy out; freed memory stays cached for the side stream)"})
     which: str = field(default="all", metadata={
         "choices": WHICH,
         "help": "all: every saved tensor above min_bytes; boundaries: only the tensors "
@@ -128,9 +142,9 @@ class Offloader:
     def __init__(self, compute: torch.device, host: torch.device = torch.device("cpu"),
                  min_bytes: int = 64 * 1024, pin_memory: bool = False, prefetch: int = 0,
                  boundaries_only: bool = False, row_chunks: int = 0, hold: int = 0,
-                 release: str = "record"):
+                 release: str = "record", back_pool: str = "compute"):
         self.compute, self.host = _indexed(torch.device(compute)), torch.device(host)
-        self.release = release
+        self.release, self.back_pool = release, back_pool
         self.early_copies = 0  # copies started as their tile region began (`early`)
         self.min_bytes, self.pin_memory = min_bytes, pin_memory
         self.prefetch, self.boundaries_only = prefetch, boundaries_only
@@ -292,10 +306,17 @@ class Offloader:
         for the side stream only, and near a budget the compute stream's allocations would
         then flush the cache and retry. The side stream waits for the work queued so far,
         which may still be using that memory; the caller keeps the memory until its copy is
-        done (`_keep_until_copied`)."""
+        done (`_keep_until_copied`). With `back_pool=side` the memory comes from the side
+        stream's pool instead: nothing queued on the compute stream uses it, so the copy waits
+        only for the copies queued before it on the side stream; the compute stream's uses of
+        it are recorded (`record_stream` on the compute stream) before it is freed."""
+        self.restored_bytes += host.nbytes
+        if self.back_pool == "side":
+            with torch.cuda.stream(self.stream):
+                return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype,
+                                           device=device)
         restored = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
         self.stream.wait_stream(torch.cuda.current_stream(device))
-        self.restored_bytes += host.nbytes
         return restored
 
     def _copy_back_by_rows(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -318,6 +339,8 @@ class Offloader:
                 copied.append(done)
                 started, top = done, bottom
         self._keep_until_copied(restored, copied[-1])  # chunks land in order: the last, all
+        if self.back_pool == "side":  # read on the compute stream: freed only after those reads
+            restored.record_stream(torch.cuda.current_stream(device))
         ROWS_IN.arriving(restored, ArrivingRows(ends, copied, self.copy_times, device))
         return restored
 
@@ -638,6 +661,10 @@ def check(opts: Options, plan: Plan) -> None:
     if opts.early and plan.has("compress"):
         raise ConfigError("offload: early copies a tile region's input as it is, and compress "
                           "packs it compressed when it is saved; drop early or compress")
+    if opts.back_pool == "side" and not (opts.prefetch or opts.row_chunks):
+        raise ConfigError("offload: back_pool=side places the copies back made on the side "
+                          "stream, and with prefetch=0 and row_chunks=0 there are none; set "
+                          "prefetch or row_chunks, or drop back_pool")
     if opts.which == "boundaries" and not (plan.has("checkpoint") or plan.has("tile")):
         raise ConfigError("offload: which=boundaries offloads only what checkpoint / tile keep "
                           "between regions, and neither is in techniques; add checkpoint (or "
@@ -647,7 +674,8 @@ def check(opts: Options, plan: Plan) -> None:
 def apply(opts: Options, build: Build) -> None:
     offloader = Offloader(build.device, torch.device("cpu"), opts.min_bytes, opts.pin_memory,
                           opts.prefetch, boundaries_only=opts.which == "boundaries",
-                          row_chunks=opts.row_chunks, hold=opts.hold, release=opts.release)
+                          row_chunks=opts.row_chunks, hold=opts.hold, release=opts.release,
+                          back_pool=opts.back_pool)
     build.runtime.add_saved_tensor_transform(offloader.pack, offloader.unpack, owner="offload")
     if opts.early:
         build.runtime.forward_contexts.append(lambda: watching_boundaries(offloader.early))
