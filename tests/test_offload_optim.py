@@ -162,11 +162,11 @@ def test_non_elementwise_optimizers_and_hooked_ones_are_refused():
 def test_hooks_on_the_wrapper_run_once_per_step():
     params = make_params(torch.float32)
     wrapped = HostStateOptimizer(torch.optim.Adam(two_groups(params)), CPU, 1)
-    calls = []
-    wrapped.register_step_pre_hook(lambda *args: calls.append(1))
+    runs = []
+    wrapped.register_step_pre_hook(lambda *args: runs.append(1))
     set_grads(0, params)
     wrapped.step()
-    assert calls == [1] and len(wrapped.buckets()) == len(SHAPES)
+    assert runs == [1] and len(wrapped.buckets()) == len(SHAPES)
 
 
 def test_changed_parameter_groups_after_the_state_moved_are_refused():
