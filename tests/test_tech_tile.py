@@ -360,3 +360,39 @@ def test_a_decoder_convolution_the_walks_do_not_reproduce_is_refused(change):
         setattr(conv, name, value)
     with pytest.raises(ConfigError, match="block4.conv1 is not a 3x3 / stride 1 / zero padding"):
         TiledForward(model, 2, tiles=2)
+
+
+@pytest.mark.parametrize("layer1", ["convs", "blocks"])
+def test_each_region_input_comes_back_once_per_backward(layer1):
+    """A region's Functions (its statistics sweeps and its apply) all read the region's inputs
+    in backward; a transform (offload here) must bring each input back once per region, not
+    once per Function. levels=3 cuts layer1 into regions with two inputs (a block's residual and
+    its convolution's output), where at most one held copy made the two evict each other: at
+    8192 px each layer1 input crossed PCIe twice (H100, 2026-11-27). Only the image comes back
+    twice: the first region (stem) and the last (top, its residual) save it, uses at both ends
+    of backward. Gradients unchanged (float64, bitwise)."""
+    import collections
+
+    from memstudy.techniques.offload import Offloader
+
+    x = torch.rand(1, 1, 128, 128, dtype=torch.float64)
+    grads, back = [], collections.Counter()
+    for hooked in (False, True):
+        model = build_unet(seed=0).double()
+        model.forward_padded = TiledForward(model, 3, tiles=2, keep="conv1", layer1=layer1)
+        off = Offloader(torch.device("cpu"), min_bytes=0, boundaries_only=True)
+        copy_back = off._copy_back
+
+        def counted(host, device, event):
+            back[(id(host), tuple(host.shape))] += 1
+            return copy_back(host, device, event)
+
+        off._copy_back = counted
+        pack, unpack = (off.pack, off.unpack) if hooked else (lambda t: t, lambda t: t)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = model(x).square().mean()
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    twice = [shape for (_, shape), n in back.items() if n > 1]
+    assert len(back) >= 7 and twice == [tuple(x.shape)], back
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])

@@ -137,9 +137,33 @@ class Sweep:
     out_stats: bool = False  # _Apply also returns the statistics of its output (out_norm's)
     input_grads: list = field(init=False)  # per input: the shared buffer, or None
     pending: list = field(init=False)  # per input: Functions yet to add into it
+    # The region's inputs are saved once, by _Apply, whose backward runs first (every _Stats
+    # output feeds it): its unpacked inputs serve the _Stats backwards after it, so a
+    # transform such as offload brings each input back once per backward, not once per
+    # Function (with two inputs, a held copy of one was evicted by the other: at 8192 px each
+    # layer1 input crossed PCIe twice).
+    restored: list | None = field(init=False, default=None)
+    stats_sweeps: int = field(init=False, default=0)  # _Stats Functions recorded
+    stats_left: int = field(init=False, default=0)  # ... whose backward is still to come
 
     def __post_init__(self) -> None:
         self.input_grads, self.pending = [None] * self.n_inputs, [0] * self.n_inputs
+
+    def share_inputs(self, inputs: list) -> None:
+        """_Apply's backward: its unpacked inputs, for the _Stats backwards to come."""
+        if self.stats_sweeps:
+            self.restored, self.stats_left = inputs, self.stats_sweeps
+
+    def shared_inputs(self) -> list:
+        """A _Stats backward: the inputs _Apply's backward unpacked; the last one lets go."""
+        inputs = self.restored
+        if inputs is None:
+            raise RuntimeError("tile: a statistics sweep's backward ran before its region's "
+                               "apply backward, which unpacks the region's inputs")
+        self.stats_left -= 1
+        if self.stats_left <= 0:
+            self.restored = None
+        return inputs
 
     def expect(self, needs: Sequence[bool]) -> None:
         """A Function was recorded whose backward will add into the inputs it `needs`."""
@@ -217,21 +241,21 @@ class _Stats(torch.autograd.Function):
         var = m2 / count
         ctx.sweep, ctx.k, ctx.count = sweep, k, count
         sweep.expect(ctx.needs_input_grad[3:])
-        # inputs and statistics go through saved-tensor hooks (offload / compression see the
-        # region's boundaries); parameters are alive anyway and are read from the modules
-        ctx.save_for_backward(*tensors[:sweep.n_tensors], mean)
+        sweep.stats_sweeps += sweep.recording
+        # statistics go through saved-tensor hooks; the inputs are _Apply's to save (Sweep.
+        # restored); parameters are alive anyway and are read from the modules
+        ctx.save_for_backward(*tensors[sweep.n_inputs:sweep.n_tensors], mean)
         return mean, var
 
     @staticmethod
     def backward(ctx, g_mean, g_var):
-        with ROWS_IN.by_rows():  # the tiles wait for their strips' rows (strips_of)
-            *saved, mean = ctx.saved_tensors
+        *stats, mean = ctx.saved_tensors
         sweep, count = ctx.sweep, ctx.count
         region = sweep.region
 
         seed = Seed(None, statistics_affine(mean, g_mean, g_var, count))
-        grads = backprop_tiles(sweep, list(saved) + region.params(), ctx.needs_input_grad[3:],
-                               ctx.k, seed)
+        tensors = sweep.shared_inputs() + list(stats) + region.params()
+        grads = backprop_tiles(sweep, tensors, ctx.needs_input_grad[3:], ctx.k, seed)
         return (None, None, None, *grads)
 
 
@@ -258,7 +282,7 @@ class _Apply(torch.autograd.Function):
         ctx.sweep = sweep
         sweep.expect(ctx.needs_input_grad[2:])
         if not sweep.out_stats:
-            ctx.save_for_backward(*tensors[:sweep.n_tensors])
+            ctx.save_for_backward(*tensors[:sweep.n_tensors])  # the inputs: for _Stats too
             return out
         count, mean, m2 = acc
         counts["out"] = ctx.count = count
@@ -270,6 +294,7 @@ class _Apply(torch.autograd.Function):
         sweep = ctx.sweep
         with ROWS_IN.by_rows():  # the tiles wait for their strips' rows (strips_of)
             saved = list(ctx.saved_tensors)
+        sweep.share_inputs(saved[:sweep.n_inputs])
         affine = None
         if sweep.out_stats:
             affine = statistics_affine(saved.pop(), g_mean, g_var, ctx.count)
