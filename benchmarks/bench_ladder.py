@@ -42,7 +42,7 @@ from pathlib import Path
 BEST = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,tile:8:keep=all,"
         "allocator:expandable_segments=true")
 BEST_LEVELS3 = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
-                "tile:12:levels=3:keep=conv1:layer1=convs,allocator:expandable_segments=true")
+                "tile:8:levels=3:keep=conv1:layer1=convs,allocator:expandable_segments=true")
 LADDER_SETS = f"{BEST};{BEST_LEVELS3}"
 NATIVE_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,tile:4:keep=all,"
               "allocator:expandable_segments=true")
