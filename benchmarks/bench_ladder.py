@@ -37,8 +37,10 @@ from pathlib import Path
 # (memstudy/models/unet.py) taller strips fit: NATIVE_SET, 4 strips, is the fastest at 4188 px
 # under 4 GiB (0.231 s against 0.253 s with 8 in one run, 0.219 / 0.224 against 0.221 s in
 # another: native-4188-4gib-strips*.md) but stops at 4096 px on the 4 GiB ladder, where BEST's
-# 8 strips reach further (ladder-4gib-strips4.md, ladder-4gib-rows.md); at 8 GiB 12 strips,
-# 1.076 s against 1.223 s with 16 in one run (native-8192-8gib-strips.md).
+# 8 strips reach further (ladder-4gib-strips4.md, ladder-4gib-rows.md); at 8 GiB 8 strips fit
+# since a region's inputs come back once per backward (0.983 s against 1.065 / 1.076 s with
+# 12, native-8192-8gib-strips8.md, -shared-inputs-b-*.md; 16 took 1.223 s against 12's 1.076 s,
+# native-8192-8gib-strips.md).
 BEST = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,tile:8:keep=all,"
         "allocator:expandable_segments=true")
 BEST_LEVELS3 = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
