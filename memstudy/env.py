@@ -34,6 +34,14 @@ def describe(device: torch.device) -> dict[str, object]:
     return env
 
 
+def indexed_device(device: torch.device) -> torch.device:
+    """'cuda' -> 'cuda:N' (the current GPU): tensors report an indexed device, and a device
+    compared with theirs must carry the index too."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def compute_capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) of a CUDA `device` without starting CUDA where it has not started: from
     NVML then, since a technique's check runs before the allocator technique configures the

@@ -105,9 +105,15 @@ def test_exposed_copies_names_the_issuer_the_next_kernel_and_why_the_gpu_idled()
               gpu("Memcpy DtoH (Device -> Pinned)", 20_000, 21_000, 103, stream=7),
               call("cudaMemcpyAsync", 19_000, unpack, 103),
               gpu("earlier kernel", 19_500, 20_300, 105), call("cudaLaunchKernel", 19_400, late, 105),
-              gpu("add kernel", 21_500, 21_600, 104), call("cudaLaunchKernel", 21_400, late, 104)]
-    lines = exposed_copies(events).splitlines()
-    assert lines[0].startswith("Copy time with no kernel running (8.7 ms")
-    assert lines[3] == ("| 8.0 | 2 | 0.0 | HtoD | aten::copy_ < tile:top:apply backward | "
-                        "aten::cudnn_convolution < tile:top:apply backward | waited |")
-    assert lines[4] == "| 0.7 | 1 | 20.3 | DtoH | aten::copy_ < tile:top:apply backward | aten::add | host |"
+              gpu("add kernel", 21_500, 21_600, 104), call("cudaLaunchKernel", 21_400, late, 104),
+              # a later 1 ms copy back of the same group: `first at` stays the earliest piece's
+              gpu("Memcpy HtoD (Pinned -> Device)", 30_000, 31_000, 106, stream=7),
+              call("cudaMemcpyAsync", 29_000, unpack, 106),
+              gpu("conv kernel", 31_100, 32_000, 107), call("cudaLaunchKernel", 1_500, conv, 107)]
+    for order in (events, events[::-1]):  # the profiler's events need not come in time order
+        lines = exposed_copies(order).splitlines()
+        assert lines[0].startswith("Copy time with no kernel running (9.7 ms")
+        assert lines[3] == ("| 9.0 | 3 | 0.0 | HtoD | aten::copy_ < tile:top:apply backward | "
+                            "aten::cudnn_convolution < tile:top:apply backward | waited |")
+        assert lines[4] == ("| 0.7 | 1 | 20.3 | DtoH | aten::copy_ < tile:top:apply backward | "
+                            "aten::add | host |")

@@ -59,15 +59,23 @@ LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaun
 
 def busy_ms(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of (start, end) intervals in microseconds, as milliseconds."""
-    total, end = 0.0, None
-    for start, stop in sorted(intervals):
-        if end is None or start > end:
-            total += stop - start
-            end = stop
-        elif stop > end:
-            total += stop - end
-            end = stop
-    return total / 1000
+    return sum(stop - start for start, stop in _union(intervals)) / 1000
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The sorted, disjoint intervals covering the same time as `spans`."""
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _is_runtime_call(event) -> bool:
+    """A CUDA runtime or driver call on the host (a launch, copy, memset, sync), not cuDNN."""
+    return event.name.startswith("cu") and not event.name.startswith("cudnn")
 
 
 def on_gpu(event) -> bool:
@@ -166,7 +174,7 @@ def copy_overlap(events) -> str:
                 copies.setdefault(kind, []).append((stream, span))
             else:
                 kernels.setdefault(stream, []).append(span)
-        elif e.name.startswith("cu") and not e.name.startswith("cudnn"):
+        elif _is_runtime_call(e):
             entry = runtime.setdefault(e.name, [0.0, 0])
             entry[0] += (span[1] - span[0]) / 1000
             entry[1] += 1
@@ -200,15 +208,6 @@ def _subtract(span: tuple[float, float], union: list[tuple[float, float]]) -> li
     return pieces
 
 
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for a, b in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
 
 def _issuer(event, runtime: dict) -> str:
     """The op that launched a GPU event, with its callers: the CUDA runtime call sharing the
@@ -231,8 +230,8 @@ def exposed_copies(events, rows: int = 25, min_us: float = 20.0) -> str:
     for e in events:
         if on_gpu(e):
             (copies if e.name.startswith(COPIES) else kernels).append(e)
-        elif e.name.startswith("cu") and not e.name.startswith("cudnn"):
-            runtime[e.id] = e  # a CUDA runtime call: a launch, copy or memset
+        elif _is_runtime_call(e):
+            runtime[e.id] = e  # keyed by correlation id, which its GPU event shares
     kernels.sort(key=lambda k: k.time_range.start)
     starts = [k.time_range.start for k in kernels]
     origin = min(starts[:1] + [c.time_range.start for c in copies], default=0.0)
@@ -249,9 +248,10 @@ def exposed_copies(events, rows: int = 25, min_us: float = 20.0) -> str:
             why = "-" if launch is None else ("waited" if launch.time_range.start < b else "host")
             key = (copy.name.split(" ")[1], _issuer(copy, runtime),
                    _issuer(nxt, runtime) if nxt is not None else "-", why)
-            entry = groups.setdefault(key, [0.0, 0, (a - origin) / 1000])
+            entry = groups.setdefault(key, [0.0, 0, float("inf")])
             entry[0] += (b - a) / 1000
             entry[1] += 1
+            entry[2] = min(entry[2], (a - origin) / 1000)  # events need not come in time order
             total += (b - a) / 1000
     lines = [f"Copy time with no kernel running ({total:.1f} ms in pieces of {min_us:.0f} us or "
              "more; `first at`: ms after the step's first GPU work)",

@@ -83,6 +83,7 @@ from typing import Any
 
 import torch
 
+from memstudy.env import indexed_device
 from memstudy.errors import ConfigError
 from memstudy.runtime import ROWS_IN, is_boundary, read_by_rows, watching_boundaries
 from memstudy.techniques import register
@@ -143,7 +144,7 @@ class Offloader:
                  min_bytes: int = 64 * 1024, pin_memory: bool = False, prefetch: int = 0,
                  boundaries_only: bool = False, row_chunks: int = 0, hold: int = 0,
                  release: str = "record", back_pool: str = "compute"):
-        self.compute, self.host = _indexed(torch.device(compute)), torch.device(host)
+        self.compute, self.host = indexed_device(torch.device(compute)), torch.device(host)
         self.release, self.back_pool = release, back_pool
         self.early_copies = 0  # copies started as their tile region began (`early`)
         self.min_bytes, self.pin_memory = min_bytes, pin_memory
@@ -627,13 +628,6 @@ class PrefetchWindow:
     def _in_flight(self) -> int:
         """Prefetched copies not yet used (`limit` bounds these; held on-demand copies aside)."""
         return sum(entry[3] == "prefetched" for entry in self._ready.values())
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """'cuda' -> 'cuda:N' (the current GPU): saved tensors carry an index and must compare equal."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def check(opts: Options, plan: Plan) -> None:

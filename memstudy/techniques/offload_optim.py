@@ -48,6 +48,7 @@ from typing import Any, Iterator
 import torch
 
 from memstudy.config import positive_bytes
+from memstudy.env import indexed_device
 from memstudy.errors import ConfigError, MemstudyError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
@@ -235,7 +236,7 @@ class HostStateOptimizer(torch.optim.Optimizer):
         super().__init__(inner.param_groups, inner.defaults)
         self.inner, self.limit, self.host = inner, limit, torch.device(host)
         self.param_groups, self.state = inner.param_groups, inner.state
-        self.compute = _indexed(torch.device(compute))
+        self.compute = indexed_device(torch.device(compute))
         self.pin = self.compute.type == "cuda" and self.host.type == "cpu"
         self.copies = _Copies(self.compute)
         self.layouts: dict[int, BucketLayout] = {}  # bucket index -> its state's host layout
@@ -389,13 +390,6 @@ def _check_inner(inner: torch.optim.Optimizer) -> None:
     if inner._optimizer_step_pre_hooks or inner._optimizer_step_post_hooks:
         raise ConfigError("offload_optim: the optimizer it wraps has step hooks, which would run "
                           "once per bucket; register them on the offload_optim optimizer")
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """cuda -> cuda:<current>: state tensors report an indexed device."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def host_state(factory, compute: torch.device, limit: int):

@@ -281,8 +281,9 @@ class _Apply(torch.autograd.Function):
                 acc = merge(acc, moments(part))
         ctx.sweep = sweep
         sweep.expect(ctx.needs_input_grad[2:])
+        # the region's inputs, for the _Stats backwards too (Sweep.restored); the statistics
         if not sweep.out_stats:
-            ctx.save_for_backward(*tensors[:sweep.n_tensors])  # the inputs: for _Stats too
+            ctx.save_for_backward(*tensors[:sweep.n_tensors])
             return out
         count, mean, m2 = acc
         counts["out"] = ctx.count = count
