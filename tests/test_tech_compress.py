@@ -60,9 +60,9 @@ def test_probe_needs_a_warm_up_step():
 
 def test_auto_impl_is_torch_on_the_cpu():
     TECH.check(TECH.parse([]), _plan())  # accepted
-    from memstudy.techniques.compress import resolve_impl
-    assert resolve_impl("auto", CPU) == "torch"
-    assert resolve_impl("auto", torch.device("cuda")) == "triton"
+    from memstudy.kernels import resolve_impl
+    assert resolve_impl("auto", CPU, "compress:impl") == "torch"
+    assert resolve_impl("auto", torch.device("cuda"), "compress:impl") == "triton"
 
 
 # -- the pack / unpack pair ------------------------------------------------------------------

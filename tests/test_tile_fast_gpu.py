@@ -68,12 +68,14 @@ def test_gpu_tiled_step_never_syncs_with_the_host(make_config, techniques):
     assert torch.isfinite(loss).item()
 
 
-def _grads(layout: dict, graphs: bool, dtype: torch.dtype, autocast: bool):
+def _grads(layout: dict, graphs: bool, dtype: torch.dtype, autocast: bool,
+           kernels: str = "triton"):
     torch.backends.cudnn.benchmark = True
     x = torch.rand(1, 1, 256, 320, device="cuda", dtype=dtype,
                    generator=torch.Generator("cuda").manual_seed(0))
     model = build_unet(seed=0).cuda().to(dtype).to(memory_format=torch.channels_last)
-    tiled = TiledForward(model, **layout, graphs=TileGraphs(CudaGraphs()) if graphs else None)
+    tiled = TiledForward(model, **layout, graphs=TileGraphs(CudaGraphs()) if graphs else None,
+                         kernels=kernels)
     if layout:
         model.forward_padded = tiled
     x = x.to(memory_format=torch.channels_last)
@@ -104,6 +106,18 @@ def test_gpu_graphed_tiles_equal_eager_tiles(layout):
     exact = _grads(layout, True, torch.float64, False)
     plain = _grads({}, False, torch.float64, False)
     assert _error(exact, plain) < 1e-10
+
+
+@pytest.mark.parametrize("layout", [{"levels": 2, "tiles": 4, "keep": "all"},
+                                    {"levels": 3, "tiles": 3, "keep": "conv1", "layer1": "convs"}])
+def test_gpu_triton_norm_kernels_equal_the_primitives_in_a_tiled_step(layout):
+    """tile:norm=triton against tile:norm=torch (PyTorch's SyncBatchNorm primitives): every
+    gradient of a tiled step within 1e-2 relative under bf16 autocast (bf16 strips rounded
+    once by either), within 1e-4 for a float32 model."""
+    assert _error(_grads(layout, False, torch.float32, True, "triton"),
+                  _grads(layout, False, torch.float32, True, "torch")) < 1e-2
+    assert _error(_grads(layout, False, torch.float32, False, "triton"),
+                  _grads(layout, False, torch.float32, False, "torch")) < 1e-4
 
 
 def _offload_stats(build) -> dict[str, float]:

@@ -21,11 +21,12 @@ whether a function is interpreted.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from memstudy.kernels import interpreted
 
 TILE = 16384  # elements per tile: large enough to amortise a program, small enough to spread load
 BLOCK = 1024  # elements per vector step inside a program
@@ -84,7 +85,7 @@ def segment_stats(flat: torch.Tensor, layout: SegmentLayout) -> tuple[torch.Tens
     """(mean, population variance) of each segment, float32, computed by the Triton kernels.
 
     Runs on a CUDA tensor, or on a CPU tensor under TRITON_INTERPRET=1 (tests)."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpret = interpreted()
     if flat.device.type != "cuda" and not interpret:
         raise ValueError("segment_stats runs the Triton kernel: pass a CUDA tensor, set "
                          "TRITON_INTERPRET=1, or call segment_stats_reference")

@@ -40,11 +40,12 @@ bounded). Triton is imported lazily and the kernels are built per value of TRITO
 from __future__ import annotations
 
 import functools
-import os
 import types
 from dataclasses import dataclass
 
 import torch
+
+from memstudy.kernels import interpreted
 
 BITS = (8, 4, 2)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -57,10 +58,6 @@ UNSPECIALISED = ("seed",)  # kernel arguments Triton must not specialise on (see
 # power of two; 8 warps above TILE_ELEMENTS elements (large groups)
 TILE_ELEMENTS = 4096
 MIN_BLOCK_C = 8
-
-
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def n_groups(n: int, group: int) -> int:

@@ -74,6 +74,7 @@ from memstudy.compression.patches import patch_maxpools, patch_relus
 from memstudy.compression.probe import CompressionRecord
 from memstudy.errors import ConfigError
 from memstudy.kernels import quantize as qk
+from memstudy.kernels import resolve_impl
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
@@ -113,23 +114,6 @@ class Options:
         "help": "re-run the last warm-up step uncompressed and record the gradient deviation"})
 
 
-def resolve_impl(impl: str, device: torch.device) -> str:
-    """'triton' or 'torch'; refuses triton where it cannot run (never a silent switch)."""
-    if impl == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if impl == "triton":
-        if device.type != "cuda" and not qk.interpreted():
-            raise ConfigError(f"compress: impl=triton runs Triton kernels on a CUDA GPU, and "
-                              f"train.device resolves to {device}; use compress:impl=torch (the "
-                              "PyTorch references) or impl=auto, or set TRITON_INTERPRET=1")
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            raise ConfigError("compress: impl=triton needs the triton package, which is not "
-                              "installed; pip install triton, or use compress:impl=torch") from None
-    return impl
-
-
 def resolve_boundary_bits(opts: Options) -> int:
     """Bits for checkpoint region inputs. Backward recomputes each region from its input, so
     that input's quantisation error passes through the region's ReLUs and BatchNorm and the
@@ -160,7 +144,7 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError(f"compress runs on CUDA (Triton kernels) or the CPU (PyTorch "
                           f"references), and train.device resolves to {plan.device}; set "
                           "train.device = 'cuda' or 'cpu', or drop compress")
-    resolve_impl(opts.impl, plan.device)
+    resolve_impl(opts.impl, plan.device, "compress:impl")
     if opts.which == "boundaries" and not (plan.has("checkpoint") or plan.has("tile")):
         raise ConfigError("compress: which=boundaries compresses only what checkpoint / tile "
                           "keep between regions, and neither is in techniques; add checkpoint "
@@ -194,7 +178,7 @@ def _check_probe(plan: Plan) -> None:
 
 
 def apply(opts: Options, build: Build) -> None:
-    impl = resolve_impl(opts.impl, build.device)
+    impl = resolve_impl(opts.impl, build.device, "compress:impl")
     compressor = Compressor(opts.bits, opts.group_size, opts.min_numel,
                             boundaries_only=opts.which == "boundaries",
                             use_triton=impl == "triton", seed=build.config.train.seed,

@@ -41,7 +41,10 @@ Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`, `tile:16:keep=conv1`, `ti
   the most kept tensors);
 - `layer1` (levels=3): `whole` (layer1 inside the stem's region, whose 7 BatchNorms cost 8
   sweeps each way over it), `blocks` (one region per BasicBlock, its input kept at 1/4 res:
-  3 sweeps each) or `convs` (also each block's first convolution output: 1 + 2 sweeps).
+  3 sweeps each) or `convs` (also each block's first convolution output: 1 + 2 sweeps);
+- `norm`: the tiled BatchNorms' kernels on CUDA: `triton` (memstudy/kernels/norm_act.py: one
+  pass each for a strip's moments, its normalisation + ReLU and their backward), `torch`
+  (PyTorch's SyncBatchNorm primitives, five passes for the last two), `auto` (triton on CUDA).
 Composes with amp, checkpoint:block / selective and invertible (they act on the untiled levels;
 the decoder blocks and stem that tile runs are not run through their wrapped forward), offload
 and saved-tensor compression (they see the region boundaries, which tile's Functions save), dp,
@@ -56,6 +59,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from memstudy.errors import ConfigError
+from memstudy.kernels import IMPLS, resolve_impl
 from memstudy.models.unet import STRIDE
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
@@ -97,6 +101,11 @@ class Options:
     graph_fallback: bool = field(default=False, metadata={
         "help": "graphs: past graph_limit run further shapes eagerly (the run records how many "
                 "tiles did: series tile_eager_tiles) instead of stopping"})
+    norm: str = field(default="auto", metadata={
+        "choices": IMPLS, "hash_neutral": True,
+        "help": "the tiled BatchNorms' kernels: triton (memstudy's fused kernels, one pass "
+                "each for the moments, normalise + ReLU, and backward), torch (PyTorch's "
+                "SyncBatchNorm primitives), auto (triton on CUDA, torch elsewhere)"})
     layer1: str = field(default="whole", metadata={
         "choices": LAYER1, "hash_neutral": True,
         "help": "levels=3: whole (layer1 inside the stem's region: 8 sweeps each way over it), "
@@ -130,6 +139,7 @@ def check(opts: Options, plan: Plan) -> None:
                           f"use tiles <= {height // halo}")
     _check_composition(plan)
     _check_graphs(opts, plan)
+    resolve_impl(opts.norm, plan.device, "tile:norm")
     if opts.levels >= 3 and plan.has("invertible"):
         raise ConfigError("tile:levels=3 tiles layer1, whose BasicBlocks invertible replaces with "
                           "momentum blocks; use tile:levels=2 with invertible, or drop invertible")
@@ -177,15 +187,16 @@ def apply(opts: Options, build: Build) -> None:
     model = build.model
     if not hasattr(model, "forward_padded"):
         raise ConfigError("tile: the model has no forward_padded to tile; drop tile")
+    kernels = resolve_impl(opts.norm, build.device, "tile:norm")
     notes = build.notes["tile"] = {"levels": opts.levels, "tiles": opts.tiles, "rows": opts.rows,
-                                   "keep": opts.keep, "layer1": opts.layer1,
+                                   "keep": opts.keep, "layer1": opts.layer1, "norm": kernels,
                                    "halo_rows": min_tile_rows(opts.levels, opts.keep, opts.layer1)}
     graphs = None
     if opts.graphs:
         graphs = TileGraphs(CudaGraphs(), opts.graph_limit, opts.graph_fallback, notes)
         build.runtime.series_sources.append(lambda: _graph_rows(graphs, build.runtime.rank))
     model.forward_padded = TiledForward(model, opts.levels, opts.tiles, opts.rows, opts.keep,
-                                        graphs, opts.layer1)
+                                        graphs, opts.layer1, kernels)
 
 
 def _graph_rows(graphs: TileGraphs, rank: int) -> list[tuple[int, int, str, float]]:

@@ -196,7 +196,7 @@ class TileGraphs:
         def body(_: bool, facts: dict) -> None:
             with self._autocast(sweep):
                 z = TileRun(region, local, staged, target=k)(strips)
-            n, mean, var = moments(z)
+            n, mean, var = moments(z, region.kernels)
             facts.setdefault("n", n)
             if "mean" not in facts:  # one buffer for every region: sized for any channel count
                 facts["mean"] = self._staged(("moments", 0), mean.shape, mean, MOMENTS_CAPACITY)
@@ -206,7 +206,8 @@ class TileGraphs:
 
         facts = self._replayed(self._key("moments", sweep, tile, inputs, (k,)), body)
         if facts is None:
-            return moments(TileRun(region, tile, stats, target=k)(strips_of(region, tile, inputs)))
+            return moments(TileRun(region, tile, stats, target=k)(strips_of(region, tile, inputs)),
+                           region.kernels)
         # copies: the next tile's replay overwrites the buffers, and merge keeps what it gets
         return facts["n"], facts["mean"].clone(), facts["var"].clone()
 
@@ -276,7 +277,8 @@ class TileGraphs:
                 leaves = leaves_in + leaves_flat + aliases
                 run = TileRun(region, local, sweep.unpack([*leaves_in, *leaves_flat])[1], target)
                 full = run.uncropped(leaves_in)
-                grad_full = strip_gradient(run, full, seed_gradient(run.owned(full), rows, affine))
+                grad_full = strip_gradient(run, full, seed_gradient(run.owned(full), rows, affine,
+                                                                       region.kernels))
                 wanted = [i for i, t in enumerate(leaves) if t is not None and needs[i]]
                 got = torch.autograd.grad(full, [leaves[i] for i in wanted], grad_full,
                                           allow_unused=True)

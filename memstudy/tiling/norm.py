@@ -11,6 +11,13 @@ arithmetic, as cuDNN's BatchNorm under autocast). On other devices the same form
 plain tensor ops in float32 (float64 for a float64 model): the reference the GPU test compares
 the CUDA path with.
 
+`kernels="triton"` (tile:norm, the default) runs the same three steps through memstudy's Triton
+kernels (memstudy/kernels/norm_act.py) on a dense channels_last strip: one pass each for the
+moments, the affine map + ReLU, and backward's input gradient with both per-channel sums
+(PyTorch's primitives take five passes for the last two, at a fraction of the bandwidth on the
+tiled levels' 16-64 channels). `kernels="torch"` keeps the primitives (and everything else, on
+any device, uses them or the tensor ops).
+
 For y = relu((z - mean) * invstd * w + b), with dy = grad_y * (y > 0) summed over N, H, W:
   grad_z = dy * invstd * w
   grad_mean = -invstd * w * sum(dy)          grad_invstd = w * sum(dy * (z - mean))
@@ -29,6 +36,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memstudy.kernels import interpreted, norm_act
+
 Stats = tuple[torch.Tensor, torch.Tensor]  # (mean, biased variance), one value per channel
 
 
@@ -40,16 +49,29 @@ def _channel(t: torch.Tensor) -> torch.Tensor:
     return t[:, None, None]
 
 
+KERNELS = ("triton", "torch")  # tile:norm's choices
+
+
+def fused(z: torch.Tensor, kernels: str) -> bool:
+    """Whether `kernels` runs z through the Triton kernels: a CUDA strip they handle (or any
+    device under TRITON_INTERPRET=1, the CPU tests)."""
+    return (kernels == "triton" and norm_act.supported(z)
+            and (z.is_cuda or interpreted()))
+
+
 class NormReLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, mean, invstd, weight, bias, relu: bool):
-        if z.is_cuda:
+    def forward(ctx, z, mean, invstd, weight, bias, relu: bool, kernels: str):
+        ctx.fused = fused(z, kernels)
+        if ctx.fused:
+            y = norm_act.affine_act(z, mean, invstd * weight, bias, relu=relu)
+        elif z.is_cuda:
             y = torch.batch_norm_elemt(z, weight, bias, mean, invstd, 0.0)
         else:
             dtype = compute_dtype(z.dtype)
             y = ((z.to(dtype) - _channel(mean)) * _channel(invstd * weight)
                  + _channel(bias)).to(z.dtype)
-        if relu:
+        if relu and not ctx.fused:
             y = y.relu_()
         ctx.relu = relu
         ctx.save_for_backward(z, mean, invstd, weight, y if relu else None)
@@ -58,6 +80,10 @@ class NormReLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         z, mean, invstd, weight, y = ctx.saved_tensors
+        if ctx.fused:
+            grad_z, sum_dy, sum_dy_xmu = norm_act.affine_relu_backward(
+                grad_y, y, z, mean, invstd, weight)
+            return _grads(grad_z, sum_dy, sum_dy_xmu, invstd, weight)
         dy = torch.ops.aten.threshold_backward(grad_y, y, 0) if ctx.relu else grad_y
         if z.is_cuda:
             dy = dy.contiguous(memory_format=memory_format_of(z))
@@ -76,9 +102,14 @@ class NormReLU(torch.autograd.Function):
             sum_dy_xmu = (dy32 * (z.to(dtype) - _channel(mean))).sum((0, 2, 3))
             grad_w, grad_b = sum_dy_xmu * invstd, sum_dy
             grad_z = (dy32 * _channel(invstd * weight)).to(z.dtype)
-        grad_mean = -invstd * weight * sum_dy
-        grad_invstd = weight * sum_dy_xmu
-        return grad_z, grad_mean, grad_invstd, grad_w, grad_b, None
+        return _grads(grad_z, sum_dy, sum_dy_xmu, invstd, weight, grad_w, grad_b)
+
+
+def _grads(grad_z, sum_dy, sum_dy_xmu, invstd, weight, grad_w=None, grad_b=None) -> tuple:
+    """NormReLU.backward's result from the input gradient and the two per-channel sums."""
+    if grad_w is None:
+        grad_w, grad_b = sum_dy_xmu * invstd, sum_dy
+    return (grad_z, -invstd * weight * sum_dy, weight * sum_dy_xmu, grad_w, grad_b, None, None)
 
 
 def memory_format_of(t: torch.Tensor) -> torch.memory_format:
@@ -88,17 +119,20 @@ def memory_format_of(t: torch.Tensor) -> torch.memory_format:
 
 
 def normalize(z: torch.Tensor, stats: Stats, bn: nn.modules.batchnorm._BatchNorm,
-              relu: bool = False) -> torch.Tensor:
+              relu: bool = False, kernels: str = "triton") -> torch.Tensor:
     """bn's affine normalisation of z with `stats` (then ReLU), differentiable in all of them."""
     mean, var = (s.to(compute_dtype(z.dtype)) for s in stats)
     invstd = torch.rsqrt(var + bn.eps)
     weight, bias = (p.to(mean.dtype) for p in (bn.weight, bn.bias))
-    return NormReLU.apply(z, mean, invstd, weight, bias, relu)
+    return NormReLU.apply(z, mean, invstd, weight, bias, relu, kernels)
 
 
-def moments(z: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+def moments(z: torch.Tensor, kernels: str = "triton") -> tuple[int, torch.Tensor, torch.Tensor]:
     """(count, mean, biased variance) per channel of z, in z's compute dtype, in one pass on
-    CUDA (torch.batch_norm_stats reads bf16 directly) or via var_mean elsewhere."""
+    CUDA (the Triton kernels, or torch.batch_norm_stats: both read bf16 directly) or via
+    var_mean elsewhere."""
+    if fused(z, kernels):
+        return norm_act.moments(z)
     n = z.numel() // z.shape[1]
     if z.is_cuda:
         eps = 1e-30  # batch_norm_stats returns 1/sqrt(var + eps); var is recovered from it
@@ -109,10 +143,13 @@ def moments(z: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
 
 
 def statistics_seed(z: torch.Tensor, rows: torch.Tensor | None, mean: torch.Tensor,
-                    scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+                    scale: torch.Tensor, shift: torch.Tensor,
+                    kernels: str = "triton") -> torch.Tensor:
     """rows + shift + scale * (z - mean) per channel (rows None: zero), in z's dtype, computed
     in the statistics' precision and rounded once. Centred first: a + b * z with a = -b * mean
     would cancel catastrophically in float32."""
+    if fused(z, kernels):
+        return norm_act.affine_act(z.detach(), mean, scale, shift, add=rows)
     if z.is_cuda:
         z = z.detach().contiguous(memory_format=memory_format_of(z))
         ones = torch.ones_like(mean)

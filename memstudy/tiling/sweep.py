@@ -56,6 +56,7 @@ class Region:
     body: Callable[..., torch.Tensor]  # body(run, *strips) -> output strip
     norm_names: list[str] = field(default_factory=list)  # the norms' names (chain.py), in order
     out_norm: nn.modules.batchnorm._BatchNorm | None = None  # normalises the output, if any
+    kernels: str = "triton"  # the BatchNorms' kernels on CUDA strips (norm.py; tile:norm)
 
     def params(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
@@ -94,7 +95,7 @@ class TileRun:
     def norm(self, j: int, z: torch.Tensor, relu: bool = False) -> torch.Tensor:
         if j == self.target:
             raise _Reached(z)
-        return normalize(z, self.stats[j], self.region.norms[j], relu)
+        return normalize(z, self.stats[j], self.region.norms[j], relu, self.region.kernels)
 
     def __call__(self, strips: list[torch.Tensor]) -> torch.Tensor:
         """The owned rows of the tile's output (or of the target BatchNorm's input)."""
@@ -235,7 +236,7 @@ class _Stats(torch.autograd.Function):
                 acc = merge(acc, sweep.graphs.moments(sweep, tile, inputs, stats, k))
             else:
                 acc = merge(acc, moments(TileRun(sweep.region, tile, stats, target=k)(
-                    strips_of(sweep.region, tile, inputs))))
+                    strips_of(sweep.region, tile, inputs)), sweep.region.kernels))
         count, mean, m2 = acc
         counts[k] = count
         var = m2 / count
@@ -278,7 +279,7 @@ class _Apply(torch.autograd.Function):
             factor = part.shape[-2] // (tile.own[1] - tile.own[0])
             out[..., factor * tile.own[0]:factor * tile.own[1], :] = part
             if sweep.out_stats:
-                acc = merge(acc, moments(part))
+                acc = merge(acc, moments(part, sweep.region.kernels))
         ctx.sweep = sweep
         sweep.expect(ctx.needs_input_grad[2:])
         # the region's inputs, for the _Stats backwards too (Sweep.restored); the statistics
@@ -328,10 +329,10 @@ class Seed:
 
 
 def seed_gradient(z: torch.Tensor, rows: torch.Tensor | None,
-                  affine: Sequence[torch.Tensor] | None) -> torch.Tensor:
+                  affine: Sequence[torch.Tensor] | None, kernels: str) -> torch.Tensor:
     """The gradient a tile's owned output z starts backward with: `rows` of grad_out, plus
     the statistics' gradient for statistics of z (norm.statistics_seed)."""
-    return rows if affine is None else statistics_seed(z, rows, *affine)
+    return rows if affine is None else statistics_seed(z, rows, *affine, kernels=kernels)
 
 
 def _full_like(part: torch.Tensor, inputs: list[torch.Tensor], sweep: Sweep) -> torch.Tensor:
@@ -357,9 +358,9 @@ def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: i
     return grads
 
 
-def grad_seed(seed: Seed, tile: Tile, out: torch.Tensor) -> torch.Tensor:
+def grad_seed(seed: Seed, tile: Tile, out: torch.Tensor, kernels: str) -> torch.Tensor:
     rows = seed.rows(tile, out.shape[-2] // (tile.own[1] - tile.own[0]))
-    return seed_gradient(out, rows, seed.affine)
+    return seed_gradient(out, rows, seed.affine, kernels)
 
 
 def strip_gradient(run: TileRun, full: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
@@ -415,7 +416,8 @@ def _backprop_tile(sweep: Sweep, tile: Tile, inputs: list, stats: list, params: 
     run = TileRun(region, tile, sweep.unpack([*strips, *flat])[1], target)
     full = run.uncropped(viewed)
     got = torch.autograd.grad(full, [leaves[i] for i in wanted],
-                              strip_gradient(run, full, grad_seed(seed, tile, run.owned(full))),
+                              strip_gradient(run, full, grad_seed(seed, tile, run.owned(full),
+                                                                region.kernels)),
                               allow_unused=True)
     q0, q1 = tile.strip
     for i, g in zip(wanted, got):

@@ -176,9 +176,10 @@ def layout_of_weight(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, (t.stride(0), 1, t.stride(2), t.stride(3)), t.storage_offset())
 
 
-def build_region(unet: nn.Module, spec: RegionSpec, levels: int, produced: set[str]) -> Region:
+def build_region(unet: nn.Module, spec: RegionSpec, levels: int, produced: set[str],
+                 kernels: str = "triton") -> Region:
     """The region of `spec`; `produced`: norms whose statistics earlier regions compute (its
-    own and its output's are added)."""
+    own and its output's are added); `kernels`: its BatchNorms' (norm.py)."""
     traced = trace(spec, levels)
     shared = [n for n in traced.norms if n in produced]
     names = shared + [n for n in traced.norms if n not in shared]
@@ -193,7 +194,7 @@ def build_region(unet: nn.Module, spec: RegionSpec, levels: int, produced: set[s
 
     return Region(spec.name, spec.factors, [modules[n] for n in names], len(shared),
                   [modules[n] for n in traced.modules], traced.paths, body, names,
-                  modules[spec.out_norm] if spec.out_norm else None)
+                  modules[spec.out_norm] if spec.out_norm else None, kernels)
 
 
 # -- the forward ------------------------------------------------------------------------------
@@ -201,9 +202,11 @@ class TiledForward:
     """Replaces `ContrastUNet.forward_padded` on an instance: same function, tiled top levels."""
 
     def __init__(self, unet: nn.Module, levels: int = 2, tiles: int = 0, rows: int = 0,
-                 keep: str = "conv1", graphs: TileGraphs | None = None, layer1: str = "whole"):
+                 keep: str = "conv1", graphs: TileGraphs | None = None, layer1: str = "whole",
+                 kernels: str = "triton"):
         """`graphs`: replay the tile bodies as CUDA graphs (memstudy/tiling/graphs.py); None
-        runs them eagerly. `layer1`: how levels=3 cuts layer1 into regions (chain.region_specs)."""
+        runs them eagerly. `layer1`: how levels=3 cuts layer1 into regions (chain.region_specs).
+        `kernels`: the tiled BatchNorms' on CUDA, triton or torch (memstudy/tiling/norm.py)."""
         check_levels(levels, "tile:levels")
         check_keep(keep, "tile:keep")
         check_layer1(layer1, levels, "tile:layer1")
@@ -212,7 +215,7 @@ class TiledForward:
         self.graphs = graphs
         self.specs = region_specs(levels, keep, layer1)
         produced: set[str] = set()
-        self.regions = {spec.name: build_region(unet, spec, levels, produced)
+        self.regions = {spec.name: build_region(unet, spec, levels, produced, kernels)
                         for spec in self.specs}
         self.halos = {name: halo(region.paths) for name, region in self.regions.items()}
         # per region: the boundaries no later region reads (the image is the caller's)
