@@ -110,14 +110,29 @@ def test_gpu_graphed_tiles_equal_eager_tiles(layout):
 
 @pytest.mark.parametrize("layout", [{"levels": 2, "tiles": 4, "keep": "all"},
                                     {"levels": 3, "tiles": 3, "keep": "conv1", "layer1": "convs"}])
-def test_gpu_triton_norm_kernels_equal_the_primitives_in_a_tiled_step(layout):
-    """tile:norm=triton against tile:norm=torch (PyTorch's SyncBatchNorm primitives): every
-    gradient of a tiled step within 1e-2 relative under bf16 autocast (bf16 strips rounded
-    once by either), within 1e-4 for a float32 model."""
-    assert _error(_grads(layout, False, torch.float32, True, "triton"),
-                  _grads(layout, False, torch.float32, True, "torch")) < 1e-2
-    assert _error(_grads(layout, False, torch.float32, False, "triton"),
-                  _grads(layout, False, torch.float32, False, "torch")) < 1e-4
+def test_gpu_triton_norm_kernels_match_the_primitives_in_a_tiled_step(layout):
+    """tile:norm=triton against tile:norm=torch (PyTorch's SyncBatchNorm primitives) over every
+    gradient of a tiled step. This step amplifies rounding: in float32 the tiled and untiled
+    steps' gradients differ by 5e-3 relative, and norm=triton and norm=torch by 1.7e-3 (CPU,
+    the kernels interpreted). So: float32 (TF32 off) within 1e-2; under bf16 autocast, where
+    one bf16 rounding anywhere moves the gradients by far more, norm=triton no farther from
+    the untiled step than twice norm=torch's distance from it. A kernel bug (a lost ReLU
+    mask, a wrong sum) moves them by O(1); the kernels' own tolerances are in
+    tests/test_kernels_norm_act.py."""
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        f32 = _error(_grads(layout, False, torch.float32, False, "triton"),
+                     _grads(layout, False, torch.float32, False, "torch"))
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    untiled = _grads({}, False, torch.float32, True)
+    triton = _error(_grads(layout, False, torch.float32, True, "triton"), untiled)
+    primitives = _error(_grads(layout, False, torch.float32, True, "torch"), untiled)
+    print(f"float32 triton vs torch {f32:.2e}; bf16 from untiled: triton {triton:.2e}, "
+          f"torch {primitives:.2e}")
+    assert f32 < 1e-2
+    assert triton < 2 * primitives
 
 
 def _offload_stats(build) -> dict[str, float]:
