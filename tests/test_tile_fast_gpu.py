@@ -112,27 +112,22 @@ def test_gpu_graphed_tiles_equal_eager_tiles(layout):
                                     {"levels": 3, "tiles": 3, "keep": "conv1", "layer1": "convs"}])
 def test_gpu_triton_norm_kernels_match_the_primitives_in_a_tiled_step(layout):
     """tile:norm=triton against tile:norm=torch (PyTorch's SyncBatchNorm primitives) over every
-    gradient of a tiled step. This step amplifies rounding: in float32 the tiled and untiled
-    steps' gradients differ by 5e-3 relative, and norm=triton and norm=torch by 1.7e-3 (CPU,
-    the kernels interpreted). So: float32 (TF32 off) within 1e-2; under bf16 autocast, where
-    one bf16 rounding anywhere moves the gradients by far more, norm=triton no farther from
-    the untiled step than twice norm=torch's distance from it. A kernel bug (a lost ReLU
-    mask, a wrong sum) moves them by O(1); the kernels' own tolerances are in
-    tests/test_kernels_norm_act.py."""
+    gradient of a float32 tiled step (TF32 off): within 1e-2 relative (H100: 2.5e-3 and
+    3.3e-3; the CPU, kernels interpreted: 1.7e-3; the tiled and untiled float32 steps differ
+    by 5e-3: this randomly initialised model amplifies rounding about 1e4-fold). A kernel bug
+    (a lost ReLU mask, a wrong sum) moves them by O(1). Under bf16 autocast a step-level bound
+    says nothing: one bf16 rounding flipped anywhere moves the gradients by about 0.22
+    relative, with either kernels (levels=3: norm=triton 0.228, norm=torch 0.224 from the
+    untiled step); the kernels' bf16 outputs are held to one rounding of the primitives'
+    on the tiled levels' strip shapes (tests/test_kernels_norm_act.py)."""
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
-        f32 = _error(_grads(layout, False, torch.float32, False, "triton"),
-                     _grads(layout, False, torch.float32, False, "torch"))
+        error = _error(_grads(layout, False, torch.float32, False, "triton"),
+                       _grads(layout, False, torch.float32, False, "torch"))
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
-    untiled = _grads({}, False, torch.float32, True)
-    triton = _error(_grads(layout, False, torch.float32, True, "triton"), untiled)
-    primitives = _error(_grads(layout, False, torch.float32, True, "torch"), untiled)
-    print(f"float32 triton vs torch {f32:.2e}; bf16 from untiled: triton {triton:.2e}, "
-          f"torch {primitives:.2e}")
-    assert f32 < 1e-2
-    assert triton < 2 * primitives
+    assert error < 1e-2
 
 
 def _offload_stats(build) -> dict[str, float]:
