@@ -29,8 +29,25 @@ SHAPES = [(1, 16, 1056, 4192), (1, 32, 530, 2096), (1, 64, 530, 2096), (1, 16, 1
 PASSES = {"moments": 1, "forward": 2, "backward": 4, "seed": 3}  # tensors read + written
 
 
-def primitives(z, grad_y, mean, invstd, weight, bias, count):
-    zero = torch.zeros_like(mean)
+def strip_case(shape: tuple[int, ...]) -> dict:
+    """A bf16 channels_last strip, an output gradient, its statistics and a BatchNorm's affine
+    parameters, seeded (the benchmark's input and tests/test_kernels_norm_act.py's)."""
+    g = torch.Generator("cuda").manual_seed(0)
+    z = (torch.randn(shape, device="cuda", generator=g) * 2 + 1).to(torch.bfloat16)
+    z = z.contiguous(memory_format=torch.channels_last)
+    c = shape[1]
+    _, mean, var = na.moments(z)
+    return dict(z=z, grad_y=torch.randn_like(z, memory_format=torch.channels_last), mean=mean,
+                invstd=torch.rsqrt(var + 1e-5), weight=torch.rand(c, device="cuda") + 0.5,
+                bias=torch.randn(c, device="cuda"))
+
+
+def primitives(z, grad_y, mean, invstd, weight, bias) -> dict:
+    """PyTorch's SyncBatchNorm primitives doing what each kernel does: name -> callable
+    returning (moments: mean, var; forward: y; backward: grad_z, sum_dy, sum_dy_xmu; seed)."""
+    zero, ones = torch.zeros_like(mean), torch.ones_like(mean)
+    count = torch.full((1,), z.numel() // z.shape[1], dtype=torch.int32, device=z.device)
+    one = torch.ones((1,), dtype=torch.int32, device=z.device)
 
     def moments():
         m, inv = torch.batch_norm_stats(z, 1e-30)
@@ -43,37 +60,30 @@ def primitives(z, grad_y, mean, invstd, weight, bias, count):
 
     def backward():
         dy = torch.ops.aten.threshold_backward(grad_y, y, 0)
-        sums = torch.batch_norm_backward_reduce(dy, z, mean, invstd, weight, True, True, True)
-        return torch.batch_norm_backward_elemt(dy, z, mean, invstd, weight, zero, zero, count), sums
+        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
+            dy, z, mean, invstd, weight, True, True, True)
+        grad_z = torch.batch_norm_backward_elemt(dy, z, mean, invstd, weight, zero, zero, count)
+        return grad_z, sum_dy, sum_dy_xmu
 
-    ones = torch.ones_like(mean)
-    one = torch.ones((1,), dtype=torch.int32, device=z.device)
-
-    def seed():
+    def seed():  # rows + shift + scale * (z - mean), with rows = grad_y, scale = weight
         return torch.batch_norm_backward_elemt(grad_y, z, mean, ones, ones, -bias, -weight, one)
 
-    return {"moments": moments, "forward": forward, "backward": backward, "seed": seed}, y
+    return {"moments": moments, "forward": forward, "backward": backward, "seed": seed}
 
 
-def kernels(z, grad_y, y, mean, invstd, weight, bias):
-    return {"moments": lambda: na.moments(z),
+def kernels(z, grad_y, mean, invstd, weight, bias) -> dict:
+    """The Triton kernels doing the same (the backward's ReLU mask: the primitives' output)."""
+    y = torch.batch_norm_elemt(z, weight, bias, mean, invstd, 0.0).relu_()
+    return {"moments": lambda: na.moments(z)[1:],
             "forward": lambda: na.affine_act(z, mean, invstd * weight, bias, relu=True),
             "backward": lambda: na.affine_relu_backward(grad_y, y, z, mean, invstd, weight),
             "seed": lambda: na.affine_act(z, mean, weight, bias, add=grad_y)}
 
 
 def measure(shape, repeat: int) -> list[str]:
-    g = torch.Generator("cuda").manual_seed(0)
-    z = (torch.randn(shape, device="cuda", generator=g) * 2 + 1).to(torch.bfloat16)
-    z = z.contiguous(memory_format=torch.channels_last)
-    grad_y = torch.randn_like(z, memory_format=torch.channels_last)
-    c = shape[1]
-    weight, bias = torch.rand(c, device="cuda") + 0.5, torch.randn(c, device="cuda")
-    mean, var = na.moments(z)[1:]
-    invstd = torch.rsqrt(var + 1e-5)
-    count = torch.full((1,), z.numel() // c, dtype=torch.int32, device="cuda")
-    ref, y = primitives(z, grad_y, mean, invstd, weight, bias, count)
-    new = kernels(z, grad_y, y, mean, invstd, weight, bias)
+    case = strip_case(shape)
+    ref, new = primitives(**case), kernels(**case)
+    z = case["z"]
     rows = []
     for name in ref:
         a, b = median_ms(ref[name], repeat), median_ms(new[name], repeat)

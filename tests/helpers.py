@@ -1,7 +1,11 @@
 """Small measuring helpers shared by the technique tests."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -70,3 +74,15 @@ def measured_step(techniques: list[str], optimizer_step: bool) -> Step:
                 rt.step(optimizer)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     return Step(loss.item(), grads, buffers, recorder.summary()["forward"], build.notes, build)
+
+
+def run_interpreted(module: str, call: str) -> None:
+    """`module.call` (a test module of this folder and a call such as "check(0.5)") in a child
+    process with TRITON_INTERPRET=1, which must be set before triton is first imported (its
+    own library functions are decorated then) while other tests may already have imported it;
+    fails with the child's error."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import {module} as t; t.{call}")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]

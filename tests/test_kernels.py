@@ -3,15 +3,13 @@ on a GPU compiled (marked gpu)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from memstudy.kernels.grad_stats import (flatten, make_layout, segment_stats,
                                          segment_stats_reference)
+from helpers import run_interpreted
 
 # one element, exactly one tile, one tile + 1, several tiles, a small tail
 SIZES = [1, 7, 4096, 4097, 12000, 3]
@@ -46,13 +44,7 @@ def check_interpreted(offset: float) -> None:
 
 @pytest.mark.parametrize("offset", [0.0, 100.0])  # 100: a mean 1e5 times the spread
 def test_grad_stats_kernel_equals_reference_interpreted(offset):
-    # A child process: TRITON_INTERPRET must be set before triton is first imported (its own
-    # library functions are decorated then), and other tests may already have imported it.
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import test_kernels; test_kernels.check_interpreted({offset})")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted("test_kernels", f"check_interpreted({offset})")
 
 
 def test_layout_tiles_never_straddle_segments():

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from memstudy.kernels import quantize as qk
 from memstudy.compression.codec import Compressor
+from helpers import run_interpreted
 
 # a tail shorter than a byte, a tail inside a group, whole groups, several programs' worth
 SIZES = [5, 37, 1024, 4096 + 300]
@@ -116,12 +114,7 @@ def check_interpreted() -> None:
 
 @pytest.mark.parametrize("check", ["check_interpreted", "check_channels_interpreted"])
 def test_kernels_equal_references_interpreted(check):
-    # A child process: TRITON_INTERPRET must be set before triton is first imported.
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import test_kernels_quantize as t; t.{check}()")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted("test_kernels_quantize", f"{check}()")
 
 
 @pytest.mark.parametrize("bits,group", CASES)

@@ -1,10 +1,6 @@
 """Tri-Accel's flat gradient buffer (memstudy/triaccel/flat_grads.py) and the curvature budget."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +10,7 @@ from memstudy.errors import ConfigError
 from memstudy.kernels.grad_stats import flatten, make_layout, segment_stats, segment_stats_reference
 from memstudy.triaccel.controller import curvature_affordable
 from memstudy.triaccel.flat_grads import FlatGradients
+from helpers import run_interpreted
 
 
 def _nets() -> tuple[nn.Module, nn.Module]:
@@ -56,12 +53,7 @@ def test_flat_views_give_pytorchs_gradients_and_reference_statistics():
 
 
 def test_flat_buffer_kernel_equals_reference_interpreted():
-    # a child process: TRITON_INTERPRET must be set before triton is imported (tests/test_kernels.py)
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            "import test_triaccel_flat as t; t.check_flat_path(kernel=True)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted("test_triaccel_flat", "check_flat_path(kernel=True)")
 
 
 def test_zero_grad_drops_the_views_and_the_next_step_starts_from_zero():
