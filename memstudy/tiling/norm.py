@@ -49,9 +49,6 @@ def _channel(t: torch.Tensor) -> torch.Tensor:
     return t[:, None, None]
 
 
-KERNELS = ("triton", "torch")  # tile:norm's choices
-
-
 def fused(z: torch.Tensor, kernels: str) -> bool:
     """Whether `kernels` runs z through the Triton kernels: a CUDA strip they handle (or any
     device under TRITON_INTERPRET=1, the CPU tests)."""
