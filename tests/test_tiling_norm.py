@@ -1,7 +1,8 @@
 """The fused BatchNorm-with-given-statistics + ReLU of the tiled regions (memstudy/tiling/norm.py):
 its hand-written backward equals autograd's through the composite expression, in float64
 (gradcheck, and a direct comparison with a stated tolerance), and on CUDA the SyncBatchNorm-
-primitive path equals the reference formulas."""
+primitive path (tile:norm=torch) equals the reference formulas (the Triton kernels against the
+primitives: tests/test_kernels_norm_act.py)."""
 from __future__ import annotations
 
 import pytest
@@ -30,9 +31,9 @@ def _composite(z, mean, invstd, weight, bias, relu):
 @pytest.mark.parametrize("relu", [True, False])
 def test_backward_equals_autograd_of_the_composite(relu):
     leaves = [t.requires_grad_() for t in _inputs()]
-    assert torch.autograd.gradcheck(lambda *a: NormReLU.apply(*a, relu), leaves)
+    assert torch.autograd.gradcheck(lambda *a: NormReLU.apply(*a, relu, "torch"), leaves)
     grad_y = torch.randn_like(leaves[0])
-    fused = torch.autograd.grad(NormReLU.apply(*leaves, relu), leaves, grad_y)
+    fused = torch.autograd.grad(NormReLU.apply(*leaves, relu, "torch"), leaves, grad_y)
     plain = torch.autograd.grad(_composite(*leaves, relu), leaves, grad_y)
     for got, want in zip(fused, plain):
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
@@ -52,19 +53,20 @@ def test_gpu_primitives_equal_the_reference(dtype):
     """CUDA path (SyncBatchNorm primitives, channels_last) against the reference formulas run
     on the CPU from the same values: bf16 outputs within one bf16 rounding (rel 1e-2), float32
     within 1e-5; moments within 1e-5."""
+    kernels = "torch"
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     cpu = [t.requires_grad_() for t in _inputs(dtype, channels=16)]
     gpu = [t.detach().cuda().requires_grad_() for t in cpu]
     gpu[0] = gpu[0].detach().to(memory_format=torch.channels_last).requires_grad_()
     grad_y = torch.randn_like(cpu[0])
-    y_cpu = NormReLU.apply(*cpu, True)
-    y_gpu = NormReLU.apply(*gpu, True)
+    y_cpu = NormReLU.apply(*cpu, True, "torch")
+    y_gpu = NormReLU.apply(*gpu, True, kernels)
     got = torch.autograd.grad(y_gpu, gpu, grad_y.cuda())
     want = torch.autograd.grad(y_cpu, cpu, grad_y)
     for a, b in zip((y_gpu, *got), (y_cpu, *want)):
         a, b = a.detach().cpu().double(), b.detach().double()
         assert (a - b).norm() <= tol * b.norm() + 1e-6
-    for a, b in zip(moments(gpu[0].detach())[1:], moments(cpu[0].detach())[1:]):
+    for a, b in zip(moments(gpu[0].detach(), kernels)[1:], moments(cpu[0].detach())[1:]):
         assert torch.allclose(a.cpu().double(), b.double(), rtol=1e-5, atol=1e-6)
 
 
@@ -74,13 +76,14 @@ def test_gpu_primitives_equal_the_reference(dtype):
 def test_gpu_statistics_seed_equals_the_reference(dtype, with_rows):
     """The statistics' gradient seed (one primitive kernel on CUDA) against the reference
     formula on the CPU, from the same values: within one rounding of dtype."""
+    kernels = "torch"
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     z, mean, scale, shift, _ = _inputs(dtype, channels=16)
     rows = torch.randn_like(z) if with_rows else None
     want = statistics_seed(z, rows, mean, scale, shift)
     on_gpu = [t.cuda() for t in (mean, scale, shift)]
     z_gpu = z.cuda().to(memory_format=torch.channels_last)
-    got = statistics_seed(z_gpu, None if rows is None else rows.cuda(), *on_gpu)
+    got = statistics_seed(z_gpu, None if rows is None else rows.cuda(), *on_gpu, kernels=kernels)
     assert got.dtype == dtype
     got, want = got.cpu().double(), want.double()
     assert (got - want).norm() <= tol * want.norm() + 1e-6
