@@ -119,6 +119,10 @@ def test_tile_norm_option_is_refused_where_triton_cannot_run(monkeypatch):
     assert resolve_impl("torch", torch.device("cuda"), "tile:norm") == "torch"
     with pytest.raises(ConfigError, match="tile:norm=torch"):
         resolve_impl("triton", cpu, "tile:norm")
+    monkeypatch.setitem(sys.modules, "triton", None)  # as if not installed
+    for impl in ("triton", "auto"):
+        with pytest.raises(ConfigError, match="pip install triton, or use tile:norm=torch"):
+            resolve_impl(impl, torch.device("cuda"), "tile:norm")
 
 
 @pytest.mark.gpu

@@ -208,7 +208,6 @@ def _subtract(span: tuple[float, float], union: list[tuple[float, float]]) -> li
     return pieces
 
 
-
 def _issuer(event, runtime: dict) -> str:
     """The op that launched a GPU event, with its callers: the CUDA runtime call sharing the
     event's correlation id (a launch, copy or memset) runs inside that op."""

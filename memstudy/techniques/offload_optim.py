@@ -42,6 +42,7 @@ tests construct `HostStateOptimizer` directly (host = compute = cpu).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -183,10 +184,7 @@ def plan_slots(entries: list[tuple[torch.Tensor, str, torch.Tensor]]) -> tuple[l
 
 def view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
     """The tensor of `slot` inside the flat uint8 buffer `flat`."""
-    numel = 1
-    for n in slot.shape:
-        numel *= n
-    size = numel * slot.dtype.itemsize
+    size = math.prod(slot.shape) * slot.dtype.itemsize
     return flat[slot.offset:slot.offset + size].view(slot.dtype).as_strided(slot.shape, slot.stride)
 
 

@@ -177,7 +177,7 @@ def layout_of_weight(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def build_region(unet: nn.Module, spec: RegionSpec, levels: int, produced: set[str],
-                 kernels: str = "triton") -> Region:
+                 kernels: str) -> Region:
     """The region of `spec`; `produced`: norms whose statistics earlier regions compute (its
     own and its output's are added); `kernels`: its BatchNorms' (norm.py)."""
     traced = trace(spec, levels)
