@@ -5,6 +5,10 @@ autocast: MS-SSIM's products of small variances underflow in float16. By default
 computed in row chunks (memstudy/msssim_chunked.py): pytorch-msssim's value and gradient
 without its full-resolution maps, which at 4188 px saved ~1 GB for backward; with
 train.loss_chunk_rows = 0 pytorch-msssim runs as it is, for comparison.
+
+train.task = "segment" trains per-pixel classes instead: Dice + BCE or Dice + cross-entropy
+(memstudy/segment_loss.py, chunked the same way), validated by Dice and IoU. `make_loss` is
+the one place that picks the task's loss.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from pytorch_msssim import ms_ssim, ssim
 
 from memstudy.errors import ConfigError
 from memstudy.msssim_chunked import chunked_msssim, chunked_ssim_and_msssim
+from memstudy.segment_loss import dice_iou, segment_loss, segment_scores
 from memstudy.sizes import size_hw
 
 WIN_SIZE = 11  # pytorch-msssim's default Gaussian window
@@ -50,20 +55,25 @@ LOSS_CHUNK_ROWS = 256  # map rows per block of the chunked loss where no allocat
 # stacked inputs, their filtered maps, the SSIM terms and their gradients; an upper bound of
 # the slope tests/test_loss_memory.py measures)
 BLOCK_ROW_MAPS = 32
+# the same for the segmentation loss, per output channel (the widened logits, probabilities,
+# one-hot mask, cross-entropy terms and their gradients: 5-6 measured, tests/test_segment.py)
+SEGMENT_ROW_MAPS = 8
 AUTO_ROWS_GRAIN = 64  # auto block heights are multiples of this
 AUTO_SHARE = 0.5  # of the memory left under the cap: the rest is the allocator's slack
 
-class MSSSIMLoss(torch.nn.Module):
-    """1 - MS-SSIM. chunk_rows > 0: the chunked computation (msssim_chunked.py: same value and
-    gradient, the full-resolution maps never stored); 0: pytorch-msssim's own autograd."""
 
-    def __init__(self, scales: int = 5, chunk_rows: int | str = "auto",
-                 observers: list | None = None):
-        """`observers`: objects told when a computation starts / ends and when its input's
-        gradient is ready (meters/loss.py: the recorder's LossMeter subscribes during measured
-        steps, through the run's Runtime.loss_observers, which is this list)."""
+class ObservedLoss(torch.nn.Module):
+    """A loss computed in row blocks outside autocast, which tells observers when it runs.
+
+    `observers`: objects told when a computation starts / ends and when its input's gradient
+    is ready (meters/loss.py: the recorder's LossMeter subscribes during measured steps,
+    through the run's Runtime.loss_observers, which is this list). chunk_rows: "auto"
+    (auto_chunk_rows with the subclass's `row_maps`), a block height, or 0 (unchunked)."""
+
+    row_maps = BLOCK_ROW_MAPS
+
+    def __init__(self, chunk_rows: int | str = "auto", observers: list | None = None):
         super().__init__()
-        self.weights = msssim_weights(scales)
         self.chunk_rows = chunk_rows
         self.rows_used: set[int] = set()  # block heights chosen (recorded with the run)
         self.observers = [] if observers is None else observers
@@ -73,20 +83,61 @@ class MSSSIMLoss(torch.nn.Module):
         if observers and out.requires_grad:  # the model output's gradient: loss backward done
             out.register_hook(lambda grad: _notify(observers, "loss_backward_done"))
         _notify(observers, "loss_started")
-        rows = auto_chunk_rows(out) if self.chunk_rows == "auto" else self.chunk_rows
+        rows = auto_chunk_rows(out, self.row_maps) if self.chunk_rows == "auto" \
+            else self.chunk_rows
         self.rows_used.add(rows)
         try:
             with torch.autocast(out.device.type, enabled=False):
-                return 1 - msssim(out.float(), target.float(), self.weights, rows)
+                return self.compute(out, target, rows)
         finally:
             _notify(observers, "loss_finished")
 
+    def compute(self, out: torch.Tensor, target: torch.Tensor, rows: int) -> torch.Tensor:
+        raise NotImplementedError
 
-def auto_chunk_rows(out: torch.Tensor) -> int:
+
+class MSSSIMLoss(ObservedLoss):
+    """1 - MS-SSIM. chunk_rows > 0: the chunked computation (msssim_chunked.py: same value and
+    gradient, the full-resolution maps never stored); 0: pytorch-msssim's own autograd."""
+
+    def __init__(self, scales: int = 5, chunk_rows: int | str = "auto",
+                 observers: list | None = None):
+        super().__init__(chunk_rows, observers)
+        self.weights = msssim_weights(scales)
+
+    def compute(self, out: torch.Tensor, target: torch.Tensor, rows: int) -> torch.Tensor:
+        return 1 - msssim(out.float(), target.float(), self.weights, rows)
+
+
+class SegmentLoss(ObservedLoss):
+    """Dice + BCE (classes = 1) or Dice + cross-entropy of logits against a mask of class
+    indices (memstudy/segment_loss.py); chunk_rows > 0 in blocks, 0 with plain autograd."""
+
+    row_maps = SEGMENT_ROW_MAPS
+
+    def __init__(self, classes: int, chunk_rows: int | str = "auto",
+                 observers: list | None = None):
+        super().__init__(chunk_rows, observers)
+        self.classes = classes
+
+    def compute(self, out: torch.Tensor, target: torch.Tensor, rows: int) -> torch.Tensor:
+        return segment_loss(out, target, self.classes, rows)
+
+
+def make_loss(config, observers: list) -> ObservedLoss:
+    """The training loss of `config` (a RunConfig): train.task picks it."""
+    train = config.train
+    if train.task == "segment":
+        return SegmentLoss(config.model.classes, train.loss_chunk_rows, observers)
+    return MSSSIMLoss(train.msssim_scales, train.loss_chunk_rows, observers)
+
+
+def auto_chunk_rows(out: torch.Tensor, row_maps: int = BLOCK_ROW_MAPS) -> int:
     """The chunked loss's block height for `out`: the largest multiple of AUTO_ROWS_GRAIN
-    rows (at most the image's) whose maps fit AUTO_SHARE of what the allocator may still
-    allocate under its cap (a budget's, else the device's memory). Read from the allocator's
-    host-side counters: no device sync. On the CPU (no cap) LOSS_CHUNK_ROWS."""
+    rows (at most the image's) whose `row_maps` float32 maps per row and channel fit
+    AUTO_SHARE of what the allocator may still allocate under its cap (a budget's, else the
+    device's memory). Read from the allocator's host-side counters: no device sync. On the
+    CPU (no cap) LOSS_CHUNK_ROWS."""
     if out.device.type != "cuda":
         return LOSS_CHUNK_ROWS
     batch, channels, height, width = out.shape
@@ -94,7 +145,7 @@ def auto_chunk_rows(out: torch.Tensor) -> int:
     cap = torch.cuda.get_per_process_memory_fraction(index) \
         * torch.cuda.get_device_properties(index).total_memory
     left = max(0.0, cap - torch.cuda.memory_allocated(index)) * AUTO_SHARE
-    row_bytes = BLOCK_ROW_MAPS * 4 * batch * channels * width
+    row_bytes = row_maps * 4 * batch * channels * width
     rows = int(left // row_bytes) // AUTO_ROWS_GRAIN * AUTO_ROWS_GRAIN
     return max(AUTO_ROWS_GRAIN, min(rows, -(-height // AUTO_ROWS_GRAIN) * AUTO_ROWS_GRAIN))
 
@@ -131,3 +182,23 @@ def quality(out: torch.Tensor, target: torch.Tensor, scales: int,
         "ssim": float(ssim_value),
         "psnr": float(torch.mean(10 * torch.log10(1.0 / mse))),
     }
+
+
+class SegmentFigures:
+    """Validation figures of segmentation over a whole set, added batch by batch: the loss
+    (mean per image, as for enhancement), Dice and IoU of the hard prediction from pixel
+    counts summed over the set (segment_loss.dice_iou), in blocks of `rows` rows."""
+
+    def __init__(self, classes: int, rows: int = LOSS_CHUNK_ROWS):
+        self.classes, self.rows = classes, rows
+        self.loss, self.images, self.counts = 0.0, 0, None
+
+    def add(self, out: torch.Tensor, target: torch.Tensor) -> None:
+        loss, counts = segment_scores(out, target, self.classes, self.rows)
+        self.loss += loss * len(out)
+        self.images += len(out)
+        self.counts = counts if self.counts is None else self.counts + counts
+
+    def result(self) -> dict[str, float]:
+        dice, iou = dice_iou(self.counts)
+        return {"loss": self.loss / self.images, "dice": dice, "iou": iou}
