@@ -27,12 +27,14 @@ from memstudy.typecheck import check_fields, field_types, typed_value
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
 VAL_PRECISIONS = ("run", "float32")  # train.val_precision
+TASKS = ("enhance", "segment")  # train.task (docs/segmentation.md)
 # A process setting, not a run setting: a grid cell that runs beside others gets its share of
 # the host's CPU threads through this variable (grid.run.cell_threads, runner.execute)
 CELL_THREADS_ENV = "MEMSTUDY_CELL_THREADS"
 # Settings added after results were recorded, left out of the config hash at their default
 # (what every earlier run did), so recorded grids, maxres probes and tune trials still resume.
-HASH_NEUTRAL_DEFAULTS = (("train", "val_precision", "run"), ("meter", "profile", False))
+HASH_NEUTRAL_DEFAULTS = (("train", "val_precision", "run"), ("meter", "profile", False),
+                         ("train", "task", "enhance"))
 # The form of the config hash. Raise it when a change to the configs alters the hashes of runs
 # that measure the same thing, or when it must make old records of a config stop counting: the
 # pinned hashes in tests/test_records.py fail until this is raised and they are renewed, and
@@ -83,6 +85,10 @@ class TrainConfig:
     # weights, apart from a float16 eval forward that overflows while BatchNorm's running
     # statistics still lag (docs/metrics.md, "Validation precision").
     val_precision: str = "run"
+    # What the network learns: "enhance" (the study's contrast enhancement, 1 - MS-SSIM) or
+    # "segment" (per-pixel classes, model.classes channels of logits: Dice + BCE for one class,
+    # Dice + cross-entropy for several; masks from the phantoms or a folder: docs/segmentation.md)
+    task: str = "enhance"
 
     def resolve_tuning(self) -> None:
         """Fill unset channels_last / cudnn_benchmark: on for CUDA, off on the CPU."""
@@ -130,6 +136,8 @@ class TrainConfig:
         if self.val_precision not in VAL_PRECISIONS:
             raise ConfigError(f"train.val_precision {self.val_precision!r} unknown; choose one of "
                               f"{VAL_PRECISIONS}")
+        if self.task not in TASKS:
+            raise ConfigError(f"train.task {self.task!r} unknown; choose one of {TASKS}")
         # train.lr_schedule / lr_scaling / clip_norm: policy.check_settings, run by make_plan
         # (the config layer imports nothing above it: tests/test_architecture.py)
 

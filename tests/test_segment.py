@@ -140,3 +140,22 @@ def test_binary_scores_threshold_the_logits_at_zero():
     mask = torch.tensor([[[[1, 1], [0, 0]]]], dtype=torch.uint8)
     _, counts = segment_scores(logits, mask, 1, rows=1)
     assert counts.tolist() == [[1], [2], [2]]  # intersection, predicted, true
+
+
+def test_task_is_checked_by_name_and_part_of_the_hash():
+    """"segment" is another run than "enhance"; anything else is refused in one line. (That the
+    default leaves every recorded hash as it was is pinned by tests/test_records.py: it fails
+    when train.task is taken out of HASH_NEUTRAL_DEFAULTS.)"""
+    from memstudy.config import RunConfig, set_value
+    from memstudy.errors import ConfigError
+
+    cfg = RunConfig()
+    before = cfg.hash()
+    set_value(cfg, "train.task=enhance")
+    assert cfg.hash() == before
+    set_value(cfg, "train.task=segment")
+    assert cfg.hash() != before
+    cfg.train.task = "segmentation"
+    with pytest.raises(ConfigError, match=r"^train.task 'segmentation' unknown; choose one of "
+                                          r"\('enhance', 'segment'\)$"):
+        cfg.train.check()
