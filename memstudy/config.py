@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from memstudy.errors import ConfigError
+from memstudy.network import ModelConfig
 from memstudy.sizes import RESIZE_MODES, check_size_source, parse_size
 from memstudy.bytesize import ByteSize, parse_bytes
 from memstudy.typecheck import check_fields, field_types, typed_value
@@ -168,6 +169,8 @@ class MeterConfig:
 
 
 SOURCES = ("synthetic", "folder")
+# The phantoms' mask classes, by index (train.task = "segment", datasets/phantom.make_mask)
+PHANTOM_CLASSES = ("background", "lung", "heart", "bone")
 
 
 @dataclass
@@ -214,8 +217,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     meter: MeterConfig = field(default_factory=MeterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the network (memstudy/network.py)
     techniques: list[str] = field(default_factory=list)  # e.g. ["amp:bf16", "checkpoint:block"]
-    encoder_weights: str | None = None  # local ImageNet ResNet-34 state_dict; nothing downloaded
+    encoder_weights: str | None = None  # local ImageNet state_dict of model.encoder; nothing downloaded
     budget: ByteSize | None = None  # cap on device memory, e.g. "8GiB" or 1e9 (CUDA context included)
     world_size: int = 1  # processes launched by `memstudy run` for distributed techniques
     label: str | None = None  # free text for reports; not part of the config hash
@@ -229,10 +233,14 @@ class RunConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         check_size_source(self.train.image_size, self.data.source, self.data.resize)
+        self.model.check(getattr(self.train, "task", "enhance"))
         if self.budget is not None:
             budget_size(self.budget)
         if self.world_size < 1:
             raise ConfigError(f"world_size must be >= 1 (got {self.world_size})")
+        if self.encoder_weights and self.model.factory:
+            raise ConfigError("encoder_weights loads weights into the U-Net's encoder, which a "
+                              "model.factory network does not have; drop encoder_weights")
         if self.encoder_weights and not Path(self.encoder_weights).is_file():
             raise ConfigError(f"encoder_weights file {self.encoder_weights!r} not found")
 
@@ -248,6 +256,8 @@ class RunConfig:
         for section, name, default in HASH_NEUTRAL_DEFAULTS:
             if d[section].get(name) == default:
                 del d[section][name]
+        if self.model.is_default:  # the study's network: runs recorded before [model] existed
+            del d["model"]
         if HASH_SCHEMA > 1:  # schema 1 is left out, so databases recorded before it resume
             d["hash_schema"] = HASH_SCHEMA
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -272,7 +282,7 @@ def positive_bytes(text: ByteSize, what: str, if_zero: str) -> int:
     return size
 
 
-_SECTIONS = {"train": TrainConfig, "data": DataConfig, "meter": MeterConfig}
+_SECTIONS = {"train": TrainConfig, "data": DataConfig, "meter": MeterConfig, "model": ModelConfig}
 
 
 def from_dict(raw: dict[str, Any]) -> RunConfig:

@@ -128,11 +128,11 @@ def execute(config: RunConfig, db: ResultsDB | None,
 
 
 def parameter_floor(plan) -> int:
-    """Bytes of the model's parameters as every run holds them (fp32, the plain U-Net), or 0
+    """Bytes of the model's parameters as every run holds them (fp32, the plain network), or 0
     when a technique of the plan changes or shards the parameters (their size is then known
     only once built). Counted on a model built under the meta device (what smp still makes
     on the CPU is a few small tensors, freed at once)."""
-    from memstudy.models.unet import build_unet
+    from memstudy.models import build_model
     from memstudy.techniques.base import Stage  # the registry: above budget.py's layer
 
     reshaped = [n for n, t in plan.techniques.items() if n in plan.chosen and t.stage <= Stage.STRUCTURE
@@ -140,7 +140,7 @@ def parameter_floor(plan) -> int:
     if reshaped or plan.declaring("splits_model") or plan.declaring("contiguous_weights"):
         return 0
     with torch.device("meta"):
-        model = build_unet(None)
+        model = build_model(plan.config, weights=False)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 

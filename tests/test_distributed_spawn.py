@@ -65,7 +65,7 @@ def _close(got: dict, ref: dict, prefix_map=lambda n: n, atol=1e-5):
 
 
 def _unet_name(name: str) -> str:
-    """A half's parameter name -> the unsplit ContrastUNet's."""
+    """A half's parameter name -> the unsplit UNet's."""
     return "net." + (name.replace("head.", "segmentation_head.", 1) if name.startswith("head.")
                      else name)
 

@@ -18,8 +18,8 @@ from memstudy.techniques.compose import build_pipeline, make_plan
 from memstudy.tiling.unet import up_conv_weight
 
 SIZE = 192  # the smallest MS-SSIM allows; FLOPs do not depend on values, only on shapes
-STEM = "ContrastUNet.net.encoder.conv1"
-HEAD = "ContrastUNet.net.segmentation_head"
+STEM = "UNet.net.encoder.conv1"
+HEAD = "UNet.net.segmentation_head"
 
 
 def _model(techniques: list[str]) -> torch.nn.Module:
@@ -69,11 +69,11 @@ def test_selective_checkpoint_recomputes_no_convolution(plain):
 # 3 and 4's second convolutions sit in regions with K=1 (2 sweeps each way); keep=bn: every
 # region has K=0 (one sweep each way: one recomputation, gradients as plain); keep=half: as
 # bn, but block 4's second convolution in the top region with K=1, as with keep=all.
-TILED = {"conv1": "ContrastUNet.net.encoder.conv1",
-         "block3.conv1": "ContrastUNet.net.decoder.blocks.3.conv1",
-         "block3.conv2": "ContrastUNet.net.decoder.blocks.3.conv2",
-         "block4.conv1": "ContrastUNet.net.decoder.blocks.4.conv1",
-         "block4.conv2": "ContrastUNet.net.decoder.blocks.4.conv2",
+TILED = {"conv1": "UNet.net.encoder.conv1",
+         "block3.conv1": "UNet.net.decoder.blocks.3.conv1",
+         "block3.conv2": "UNet.net.decoder.blocks.3.conv2",
+         "block4.conv1": "UNet.net.decoder.blocks.4.conv1",
+         "block4.conv2": "UNet.net.decoder.blocks.4.conv2",
          "head": HEAD}
 EXTRA_FORWARDS = {
     "all": {"conv1": 7, "block3.conv1": 1, "block3.conv2": 5, "block4.conv1": 1,
@@ -139,7 +139,7 @@ def test_tile_recomputes_each_convolution_as_its_sweeps_say(plain, keep):
 # sweeps. blocks: per BasicBlock, K=2 (3 sweeps: conv1 in all, conv2 in 2); convs: the block's
 # first convolution in a region of its own (1 sweep, its BatchNorm's statistics from it),
 # conv2 in a region with K=1 (2 sweeps). Regions outside layer1 are the same in all three.
-LAYER1_CONVS = [f"ContrastUNet.net.encoder.layer1.{j}.conv{k}" for j in range(3) for k in (1, 2)]
+LAYER1_CONVS = [f"UNet.net.encoder.layer1.{j}.conv{k}" for j in range(3) for k in (1, 2)]
 
 
 def _encoder_evaluations(layer1: str) -> dict[str, int]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from memstudy.models import build_unet
+from memstudy.network import ModelConfig
 from memstudy.tiling.unet import TiledForward
 from memstudy.errors import ConfigError
 from memstudy.tiling.geometry import split_rows
@@ -39,9 +40,10 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2 * weight).mean()
 
 
-def train_step(height: int, width: int, dtype: torch.dtype, tiling: dict | None, batch: int = 1):
+def train_step(height: int, width: int, dtype: torch.dtype, tiling: dict | None, batch: int = 1,
+               encoder: str = "resnet34"):
     """One step; returns everything the comparison checks, as plain tensors."""
-    model = build_unet(seed=0).to(dtype).train()
+    model = build_unet(seed=0, network=ModelConfig(encoder=encoder)).to(dtype).train()
     if tiling is not None:
         model.forward_padded = TiledForward(model, **tiling)
     x, y = _batch(height, width, dtype, batch)
@@ -58,8 +60,9 @@ def train_step(height: int, width: int, dtype: torch.dtype, tiling: dict | None,
 
 
 @functools.lru_cache(maxsize=4)
-def untiled_step(height: int, width: int, dtype: torch.dtype, batch: int = 1):
-    return train_step(height, width, dtype, None, batch)
+def untiled_step(height: int, width: int, dtype: torch.dtype, batch: int = 1,
+                 encoder: str = "resnet34"):
+    return train_step(height, width, dtype, None, batch, encoder)
 
 
 def relative_errors(tiled: dict, plain: dict) -> dict[str, float]:
@@ -101,6 +104,30 @@ def test_tiled_step_equals_untiled_float64(height, width, tiling, batch):
     plain = untiled_step(height, width, torch.float64, batch)
     assert_exact(train_step(height, width, torch.float64, tiling, batch), plain,
                  TOL[torch.float64])
+
+
+# Every block kind the walk knows: BasicBlocks (2 in ResNet-18's layer1), Bottlenecks with the
+# projection shortcut in block 0 (ResNet-50), grouped 3x3 convolutions (ResNeXt). Rectangular,
+# batch 2, strips of uneven height (16 1/8-res rows in 3 tiles: 5 / 6 / 5).
+ENCODER_CASES = [(encoder, layer1) for encoder in ("resnet18", "resnet50", "resnext50_32x4d")
+                 for layer1 in ("whole", "blocks", "convs")]
+
+
+@pytest.mark.parametrize("encoder, layer1", ENCODER_CASES,
+                         ids=[f"{e}-layer1-{c}" for e, c in ENCODER_CASES])
+def test_tiled_step_equals_untiled_float64_every_encoder(encoder, layer1):
+    tiling = {"levels": 3, "tiles": 3, "keep": "conv1", "layer1": layer1}
+    plain = untiled_step(128, 96, torch.float64, 2, encoder)
+    assert_exact(train_step(128, 96, torch.float64, tiling, 2, encoder), plain,
+                 TOL[torch.float64])
+
+
+@pytest.mark.parametrize("encoder", ["resnet50", "resnext50_32x4d"])
+def test_tiled_step_equals_untiled_float64_levels2_every_encoder(encoder):
+    """levels=2 never walks layer1: only the encoder's channel counts change what it tiles."""
+    plain = untiled_step(96, 128, torch.float64, 2, encoder)
+    assert_exact(train_step(96, 128, torch.float64, {"levels": 2, "rows": 28}, 2, encoder),
+                 plain, TOL[torch.float64])
 
 
 @pytest.mark.parametrize("height, width, tiling, batch", [

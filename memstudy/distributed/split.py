@@ -5,12 +5,12 @@ with `.to()` (autograd moves their gradients back). `EncoderHalf` / `DecoderHalf
 halves as modules of their own (pipeline stages take them as they are), and `P2PHalf` runs
 one half per process, exchanging features and gradients with torch.distributed send/recv.
 
-Every module here exposes the block protocol of ContrastUNet (`residual_stages`,
+Every module here exposes the block protocol of UNet (`residual_stages`,
 `encoder_stages`, `decoder_blocks`, ...) for the blocks it holds, so activation techniques
 (checkpointing) still find the blocks after the split.
 
 Sizes that are not multiples of 32: `LocalSplitUNet` pads and crops exactly as
-`ContrastUNet.forward` does (reflect, bottom / right). The process split cannot: the decoder's
+`UNet.forward` does (reflect, bottom / right). The process split cannot: the decoder's
 process never sees the input, so it cannot know how much of its output is padding;
 `check_split_size` refuses such sizes by name before anything is built.
 """
@@ -102,7 +102,7 @@ class LocalSplitUNet(_Protocol, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         height, width = x.shape[-2:]
-        features = self.encoder(pad_to_stride(x.to(self.first)))  # as ContrastUNet.forward
+        features = self.encoder(pad_to_stride(x.to(self.first)))  # as UNet.forward
         # the skip connections cross devices; .to() is differentiable, so their gradients
         # travel back to the encoder's GPU in backward
         features = [f.to(self.second, non_blocking=True) for f in features]

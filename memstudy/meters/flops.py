@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from memstudy.models import ContrastUNet
+from memstudy.models import UNet
 from memstudy.models.unet import padding_for
 
 
@@ -24,7 +24,7 @@ def model_flops_per_step(batch_size: int, image_size: int | tuple[int, int]) -> 
     """FLOPs of forward + backward at a side (square) or (height, width), padding included."""
     height, width = image_size if isinstance(image_size, tuple) else (image_size, image_size)
     with torch.device("meta"):  # no weights initialised on the CPU (a second a cell there)
-        model = ContrastUNet()
+        model = UNet()
     model = model.to("meta")  # the one weight smp makes on the CPU (the 1-channel conv1)
     x = torch.empty(batch_size, 1, height, width, device="meta")
     with FlopCounterMode(display=False) as counter:

@@ -1,18 +1,22 @@
-"""The study's network: segmentation-models-pytorch U-Net with a ResNet-34 encoder.
+"""The study's network family: segmentation-models-pytorch U-Nets with ResNet-family encoders.
 
-One grey input channel, one output channel squashed to [0, 1] by a sigmoid. ImageNet
-weights come only from a local file (nothing is downloaded); the first convolution's
-three RGB filters are summed into one grey filter, as the source study did.
+The network is configuration (`[model]`, memstudy/network.py): the encoder (ResNet-18 .. 152,
+ResNeXt; ResNet-34 the study's default), the decoder's channels and the output classes. One
+grey input channel. Enhancement squashes its one output channel to [0, 1] with a sigmoid;
+segmentation returns per-pixel class logits (its loss applies the sigmoid / softmax itself, in
+chunks). ImageNet weights come only from a local file (nothing is downloaded); the first
+convolution's three RGB filters are summed into one grey filter, as the source study did.
 
 The model holds no technique code. It names its parts so techniques can act per block:
 `encoder_stages` (stem, layer1..layer4), `residual_stages` (layer1..layer4, each a
-Sequential of BasicBlocks) and `decoder_blocks`.
+Sequential of torchvision BasicBlocks or Bottlenecks) and `decoder_blocks`; `encoder_spec`
+says which encoder it is (memstudy.network.Encoder) without looking at the modules.
 
 The decoder's nearest up-sampling runs in its input's dtype (`DecoderBlock`): CUDA autocast
 lists `upsample_nearest2d` among the ops it runs in float32, so under `amp` smp's block would
-write its up-sampled input and the concatenation with the skip in float32 (at 4188 px decoder
-block 2's is 843 MB instead of 422 MB, plus a cast copy for the convolution, and their
-float32 gradients). Nearest up-sampling copies values, so the block's output is the same.
+write its up-sampled input and the concatenation with the skip in float32 (for ResNet-34 at
+4188 px decoder block 2's is 843 MB instead of 422 MB, plus a cast copy for the convolution,
+and their float32 gradients). Nearest up-sampling copies values, so the output is the same.
 
 Any image size: the U-Net's five down-samplings need sides that are multiples of 32, so
 `forward` reflect-pads the bottom and right edges up to the next multiple (`padding_for`),
@@ -33,11 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from memstudy.errors import ConfigError, MemstudyError
+from memstudy.network import ENCODERS, STRIDE, Encoder, ModelConfig
 
-ENCODER = "resnet34"
-STRIDE = 32  # total down-sampling of the encoder: padded sides are multiples of this
-ENCODER_CHANNELS = 512  # ResNet-34's deepest features: the first decoder block's input
-DECODER_CHANNELS = (256, 128, 64, 32, 16)  # smp's default, named: upsampled_elements counts them
+ENHANCE = "enhance"  # the study's task (train.task): a sigmoid image; others return logits
 
 
 def padding_for(height: int, width: int) -> tuple[int, int]:
@@ -53,15 +55,18 @@ def pad_to_stride(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, cols, 0, rows), mode="reflect")
 
 
-def upsampled_elements(batch: int, height: int, width: int, folded_levels: int = 0) -> int:
+def upsampled_elements(batch: int, height: int, width: int, folded_levels: int = 0,
+                       network: ModelConfig | None = None) -> int:
     """Elements of the largest nearest up-sampling output of the decoder for a (height, width)
     image, the top `folded_levels` decoder blocks left out (tile folds their up-sampling into
     a transposed convolution). Decoder block k doubles its input, whose channels are the
     block before's output (the encoder's deepest features for k = 0), to 1/2^(4-k) of the
-    padded image: the last block's is DECODER_CHANNELS[-2] x the whole padded image."""
+    padded image: the last block's is decoder_channels[-2] x the whole padded image."""
+    network = network or ModelConfig()
     rows, cols = (side + pad for side, pad in zip((height, width), padding_for(height, width)))
-    inputs = (ENCODER_CHANNELS, *DECODER_CHANNELS[:-1])
-    blocks = len(DECODER_CHANNELS)
+    decoder = tuple(network.decoder_channels)
+    inputs = (ENCODERS[network.encoder].out_channels[-1], *decoder[:-1])
+    blocks = len(decoder)
     return max((batch * inputs[k] * (rows >> (blocks - 1 - k)) * (cols >> (blocks - 1 - k))
                 for k in range(blocks - folded_levels)), default=0)
 
@@ -106,11 +111,15 @@ def check_smp_decoder_block(blocks: nn.ModuleList) -> None:
                 "segmentation-models-pytorch 0.6")
 
 
-class ContrastUNet(nn.Module):
-    def __init__(self) -> None:
+class UNet(nn.Module):
+    def __init__(self, network: ModelConfig | None = None, task: str = ENHANCE) -> None:
         super().__init__()
-        self.net = smp.Unet(ENCODER, encoder_weights=None, in_channels=1, classes=1,
-                            activation="sigmoid", decoder_channels=DECODER_CHANNELS)
+        network = network or ModelConfig()
+        self.encoder_name = network.encoder
+        self.net = smp.Unet(network.encoder, encoder_weights=None,
+                            in_channels=network.in_channels, classes=network.classes,
+                            activation="sigmoid" if task == ENHANCE else None,
+                            decoder_channels=tuple(network.decoder_channels))
         check_smp_decoder_block(self.net.decoder.blocks)
         for block in self.net.decoder.blocks:
             block.__class__ = DecoderBlock  # same parameters and state; forward as above
@@ -123,6 +132,11 @@ class ContrastUNet(nn.Module):
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """The network on an input whose sides are multiples of STRIDE."""
         return self.net(x)
+
+    @property
+    def encoder_spec(self) -> Encoder:
+        """What the encoder is built of (block kind, blocks per stage, groups)."""
+        return ENCODERS[self.encoder_name]
 
     @property
     def encoder(self) -> nn.Module:
@@ -154,18 +168,20 @@ class ContrastUNet(nn.Module):
         return list(self.decoder.blocks)
 
 
-def build_unet(encoder_weights: str | None = None, seed: int = 0) -> ContrastUNet:
+def build_unet(encoder_weights: str | None = None, seed: int = 0,
+               network: ModelConfig | None = None, task: str = ENHANCE) -> UNet:
     """Fresh model, initialised from `seed` (so every technique starts from the same weights)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = ContrastUNet()
+        model = UNet(network, task)
     if encoder_weights:
         load_encoder_weights(model, encoder_weights)
     return model
 
 
-def load_encoder_weights(model: ContrastUNet, path: str | Path) -> None:
-    """Load a torchvision-style ResNet-34 state_dict, RGB first conv summed to grey."""
+def load_encoder_weights(model: UNet, path: str | Path) -> None:
+    """Load a torchvision-style state_dict of the model's encoder, RGB first conv summed to
+    grey."""
     path = Path(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -180,5 +196,6 @@ def load_encoder_weights(model: ContrastUNet, path: str | Path) -> None:
         state["conv1.weight"] = conv1.sum(dim=1, keepdim=True)
     missing, unexpected = model.encoder.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ConfigError(f"encoder_weights {str(path)!r} does not match ResNet-34: missing "
+        raise ConfigError(f"encoder_weights {str(path)!r} does not match {model.encoder_name}: "
+                          f"missing "
                           f"{missing[:3]}..., unexpected {unexpected[:3]}...")

@@ -131,6 +131,8 @@ class Technique:
     micro_batches: Fact = 1  # micro-batches of train.batch_size per optimizer step at the
     # start (how long a run is: techniques.planned_steps)
     most_micro_batches: Fact = 1  # the most micro-batches per step it may take during the run
+    needs_unet: Fact = False  # a text naming the U-Net structure it acts on ("tiles the
+    # U-Net's top levels"), or False: a user's own network (model.factory) is then refused
     folded_upsampling_levels: Fact = 0  # top decoder levels that never call nearest
     # up-sampling (tile's folded up-convolution): compose.check_upsampling leaves them out
 

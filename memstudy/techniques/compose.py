@@ -28,7 +28,7 @@ import torch
 from memstudy import policy
 from memstudy.config import RunConfig
 from memstudy.errors import ConfigError
-from memstudy.models import build_unet
+from memstudy.models import build_model, check_factory
 from memstudy.models.unet import upsampled_elements
 from memstudy.quality import MSSSIMLoss, check_image_size
 from memstudy.runtime import Runtime
@@ -72,6 +72,7 @@ def make_plan(config: RunConfig, *, device: torch.device | None = None,
     for name, options in chosen.items():  # the specific refusals first, naming the fix
         get_technique(name).check(options, plan)
     check_declared(plan)
+    check_network(plan)
     policy.check_plan(plan)  # train.lr_schedule / lr_scaling / clip_norm against the techniques
     check_upsampling(plan)
     return plan
@@ -84,13 +85,14 @@ def upsampling_ceiling(plan: Plan) -> int | None:
     """The largest square side (px) `check_upsampling` lets this plan's technique set train at
     its batch size; None where it sets no limit (not CUDA, or not channels_last)."""
     train = plan.config.train
-    if plan.device.type != "cuda" or not train.channels_last:
+    if plan.device.type != "cuda" or not train.channels_last or plan.config.model.factory:
         return None
     folded = _folded_levels(plan)
     lo, hi = 0, 1 << 17  # lo fits (no image), hi does not: far past any card's memory
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if upsampled_elements(_images_per_forward(plan), mid, mid, folded) \
+        lo, hi = (mid, hi) if upsampled_elements(_images_per_forward(plan), mid, mid, folded,
+                                                 plan.config.model) \
             <= NHWC_UPSAMPLE_MAX else (lo, mid)
     return lo
 
@@ -116,9 +118,11 @@ def check_upsampling(plan: Plan) -> None:
     model is built, instead of after a whole forward."""
     train = plan.config.train
     hw = size_hw(train.image_size)
-    if plan.device.type != "cuda" or not train.channels_last or hw is None:
+    if plan.device.type != "cuda" or not train.channels_last or hw is None \
+            or plan.config.model.factory:  # a user's network: its up-sampling is its own
         return
-    elements = upsampled_elements(_images_per_forward(plan), *hw, _folded_levels(plan))
+    elements = upsampled_elements(_images_per_forward(plan), *hw, _folded_levels(plan),
+                                  plan.config.model)
     if elements > NHWC_UPSAMPLE_MAX:
         raise ConfigError(
             f"train.image_size {train.image_size} at train.batch_size {train.batch_size}: the "
@@ -174,6 +178,21 @@ def check_declared(plan: Plan) -> None:
                           "drop one of them")
 
 
+def check_network(plan: Plan) -> None:
+    """A user's own network (model.factory): refused by every technique that acts on the
+    U-Net's structure, then imported and run once on the meta device at the run's shape."""
+    network = plan.config.model
+    if not network.factory:
+        return
+    for name in plan.declaring("needs_unet"):
+        reason = plan.techniques[name].value("needs_unet", plan.chosen[name])
+        raise ConfigError(f"{name} {reason}, which a model.factory network does not expose; "
+                          f"drop {name} (or use model.encoder instead of model.factory)")
+    hw = size_hw(plan.config.train.image_size)
+    if hw is not None:  # "native" folder sizes: checked on the first batch instead
+        check_factory(network, _images_per_forward(plan), *hw)
+
+
 def group_owner_names() -> list[str]:
     """Techniques that can own the process group (for messages)."""
     return [t.name for t in list_techniques() if t.owns_process_group is not False]
@@ -221,7 +240,7 @@ def build_pipeline(plan: Plan) -> Build:
                       optimizer_factory=default_optimizer(config), loss_observers=observers)
     runtime.series_sources.append(lambda: _loss_rows(loss, runtime.rank))
     runtime.transform_order = {name: i for i, name in enumerate(plan.chosen)}
-    model = build_unet(config.encoder_weights, seed=config.train.seed)
+    model = build_model(config)
     build = Build(config=config, plan=plan, model=model, runtime=runtime, device=plan.device)
     moved = False
     for name, options in plan.chosen.items():

@@ -125,7 +125,8 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError(f"tile: tiles={opts.tiles} and rows={opts.rows} must be >= 0")
     if opts.tiles and opts.rows:
         raise ConfigError(f"tile: give tiles ({opts.tiles}) or rows ({opts.rows}), not both")
-    unit, halo = 2 ** opts.levels, min_tile_rows(opts.levels, opts.keep, opts.layer1)
+    unit = 2 ** opts.levels
+    halo = min_tile_rows(opts.levels, opts.keep, opts.layer1, plan.config.model.encoder)
     if opts.rows % unit:
         raise ConfigError(f"tile:rows={opts.rows} must be a multiple of {unit} (the "
                           f"{unit}x-down-sampled grid at levels={opts.levels})")
@@ -141,8 +142,9 @@ def check(opts: Options, plan: Plan) -> None:
     _check_graphs(opts, plan)
     resolve_impl(opts.norm, plan.device, "tile:norm")
     if opts.levels >= 3 and plan.has("invertible"):
-        raise ConfigError("tile:levels=3 tiles layer1, whose BasicBlocks invertible replaces with "
-                          "momentum blocks; use tile:levels=2 with invertible, or drop invertible")
+        raise ConfigError("tile:levels=3 tiles layer1, whose residual blocks invertible replaces "
+                          "with momentum blocks; use tile:levels=2 with invertible, or drop "
+                          "invertible")
 
 
 def _check_graphs(opts: Options, plan: Plan) -> None:
@@ -190,7 +192,8 @@ def apply(opts: Options, build: Build) -> None:
     kernels = resolve_impl(opts.norm, build.device, "tile:norm")
     notes = build.notes["tile"] = {"levels": opts.levels, "tiles": opts.tiles, "rows": opts.rows,
                                    "keep": opts.keep, "layer1": opts.layer1, "norm": kernels,
-                                   "halo_rows": min_tile_rows(opts.levels, opts.keep, opts.layer1)}
+                                   "halo_rows": min_tile_rows(opts.levels, opts.keep, opts.layer1,
+                                                              build.config.model.encoder)}
     graphs = None
     if opts.graphs:
         graphs = TileGraphs(CudaGraphs(), opts.graph_limit, opts.graph_fallback, notes)
@@ -208,4 +211,5 @@ def _graph_rows(graphs: TileGraphs, rank: int) -> list[tuple[int, int, str, floa
 register(Technique("tile", Stage.ACTIVATION, Options,
                    "exact row-strip tiling of the top U-Net levels (BatchNorm statistics of the "
                    "whole image): boundaries only in memory, tiles recomputed in backward",
-                   apply, check, folded_upsampling_levels=lambda opts: opts.levels))
+                   apply, check, folded_upsampling_levels=lambda opts: opts.levels,
+                   needs_unet="tiles the U-Net's stem, residual blocks and decoder blocks"))

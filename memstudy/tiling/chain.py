@@ -1,4 +1,4 @@
-"""The tiled part of the smp U-Net / ResNet-34 written once, for two readers (pure Python).
+"""The tiled part of the smp U-Net written once, for two readers (pure Python).
 
 A region's computation is written as a walk over named operations (`conv`, `norm` (with the
 ReLU that follows it fused when `relu=True`), `relu`, `pool`, `add`, and `up_conv`: a decoder
@@ -7,8 +7,10 @@ object. The tile bodies (memstudy/tiling/unet.py) walk it with tensors of one st
 geometry (`Trace` below) walks the same code with row bookkeeping, so the halo of every region
 follows from exactly the operations its body runs.
 
-Names: "conv1" / "bn1" are the stem's convolution and BatchNorm, "layer1.<j>.conv1|bn1|conv2|bn2"
-ResNet-34's first three BasicBlocks (1/4 res), "block<i>.conv1|bn1|conv2|bn2" decoder block i's
+Names: "conv1" / "bn1" are the stem's convolution and BatchNorm (the same in every ResNet-family
+encoder), "layer1.<j>.conv1|bn1|conv2|bn2" the encoder's first stage's residual blocks (1/4 res:
+torchvision BasicBlocks, or Bottlenecks with conv3|bn3 too and, in block 0, the projection
+shortcut "layer1.0.downsample.0|1"; `Layer1` says which), "block<i>.conv1|bn1|conv2|bn2" decoder block i's
 two Conv2dReLU layers (smp numbering 0..4, block 4 at full resolution), "head" the
 segmentation head. Tensors a region may start from, stop at or take: "x" (the image), "s"
 (the stem's convolution output before bn1), "p<j>" (layer1 block j's input: p0 the max-pool's
@@ -22,17 +24,55 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from memstudy.network import ENCODERS, Encoder
 from memstudy.tiling.geometry import Path, Upsample, Window
 
 STEM = Window(7, 2, 3)
 POOL = Window(3, 2, 1)
 CONV3 = Window(3, 1, 1)
+POINT = Window(1)  # a Bottleneck's 1x1 convolutions and its projection shortcut
 UP = Upsample(2)
-LAYER1_BLOCKS = 3  # ResNet-34's layer1
 LAST_BLOCK = 4  # the decoder's full-resolution block
 SKIPS = {2: "l1", 3: "f1"}  # decoder block -> its skip feature inside the tiled levels
 STEM_STARTS = ("x", "s")  # where a region of the encoder's stem starts
 LAYER1 = ("whole", "blocks", "convs")  # how levels=3 cuts layer1 into regions (region_specs)
+
+
+@dataclass(frozen=True)
+class Layer1:
+    """The encoder's first residual stage as the walk runs it (stride 1 throughout: the stem's
+    max-pool did the down-sampling): BasicBlocks (conv1, bn1, conv2, bn2) or Bottlenecks (conv1
+    1x1, bn1, conv2 3x3 (grouped in ResNeXt), bn2, conv3 1x1, bn3), whose block 0 also projects
+    its input (64 -> 256 channels) through downsample = (1x1 conv, BatchNorm)."""
+    blocks: int
+    bottleneck: bool
+
+    @classmethod
+    def of(cls, encoder: Encoder) -> "Layer1":
+        return cls(encoder.layers[0], encoder.bottleneck)
+
+    @property
+    def projection(self) -> bool:
+        """Block 0 has a projection shortcut (a Bottleneck widens 64 to 256 channels)."""
+        return self.bottleneck
+
+    def block_modules(self, j: int) -> list[str]:
+        """The convolutions and BatchNorms of block j, by name."""
+        parts = ["conv1", "bn1", "conv2", "bn2"] + (["conv3", "bn3"] if self.bottleneck else [])
+        if j == 0 and self.projection:
+            parts += ["downsample.0", "downsample.1"]
+        return [f"layer1.{j}.{p}" for p in parts]
+
+    def window(self, conv: str) -> Window:
+        """The row window of one of the walk's convolutions."""
+        if conv == "conv1":
+            return STEM
+        if self.bottleneck and conv.startswith("layer1.") and not conv.endswith("conv2"):
+            return POINT
+        return CONV3
+
+
+RESNET34 = Layer1.of(ENCODERS["resnet34"])  # the study's
 
 
 @dataclass(frozen=True)
@@ -45,6 +85,7 @@ class RegionSpec:
     # the kept tensor that ends the region (before a BatchNorm, or a layer1 block's input
     # p<j>); None: the encoder's or the network's last one
     stop: str | None
+    layer1: Layer1 = RESNET34  # the encoder's first stage, as levels=3 walks it
 
     @property
     def encoder(self) -> bool:
@@ -73,8 +114,9 @@ class RegionSpec:
 # -- the walks -------------------------------------------------------------------------------
 def encoder_walk(ops, levels: int, spec: RegionSpec, strips):
     """x -> stem conv (-> "s") -> bn1, ReLU, max-pool (-> "p0", then layer1 at levels=3: per
-    BasicBlock j, p<j> -> conv1 (-> "a<j>") -> bn1, ReLU, conv2, bn2, + p<j>, ReLU -> p<j+1>):
-    the 1/4-res feature the untiled levels go on with, or the region's stop on the way."""
+    residual block j, p<j> -> conv1 (-> "a<j>") -> the rest of the block (`_block_rest`) ->
+    p<j+1>): the 1/4-res feature the untiled levels go on with, or the region's stop on the
+    way."""
     named = dict(zip(spec.inputs, strips))
     if spec.start in STEM_STARTS:
         s = named["s"] if spec.start == "s" else ops.conv("conv1", named["x"])
@@ -86,15 +128,29 @@ def encoder_walk(ops, levels: int, spec: RegionSpec, strips):
     else:
         t, kind, j = named[spec.start], spec.start[0], int(spec.start[1:])
     residual = named.get(f"p{j}")  # a region starting inside block j takes its input too
-    while f"{kind}{j}" != spec.stop:  # torchvision's BasicBlock without down-sampling
+    while f"{kind}{j}" != spec.stop:
         if kind == "p":
-            if j == LAYER1_BLOCKS:
+            if j == spec.layer1.blocks:
                 return t  # layer1's output
             residual, t, kind = t, ops.conv(f"layer1.{j}.conv1", t), "a"
         else:
-            h = ops.conv(f"layer1.{j}.conv2", ops.norm(f"layer1.{j}.bn1", t, relu=True))
-            t, kind, j = ops.relu(ops.add(ops.norm(f"layer1.{j}.bn2", h), residual)), "p", j + 1
+            t, kind, j = _block_rest(ops, spec.layer1, j, t, residual), "p", j + 1
     return t
+
+
+def _block_rest(ops, layer1: Layer1, j: int, a, p):
+    """Residual block j of layer1 from its first convolution's output `a` (its input `p`), as
+    torchvision's BasicBlock / Bottleneck forward runs it: out = norm(conv(...)), out +=
+    identity (the projected input where the block has a downsample), ReLU."""
+    name = f"layer1.{j}"
+    h = ops.conv(f"{name}.conv2", ops.norm(f"{name}.bn1", a, relu=True))
+    last = f"{name}.bn2"
+    if layer1.bottleneck:
+        h, last = ops.conv(f"{name}.conv3", ops.norm(last, h, relu=True)), f"{name}.bn3"
+    out = ops.norm(last, h)
+    if j == 0 and layer1.projection:
+        p = ops.norm(f"{name}.downsample.1", ops.conv(f"{name}.downsample.0", p))
+    return ops.relu(ops.add(out, p))
 
 
 def decoder_walk(ops, spec: RegionSpec, strips):
@@ -132,33 +188,34 @@ def _conv1(ops, block: int, d, named: dict):
 
 
 # -- the regions of a tiling -------------------------------------------------------------------
-def region_specs(levels: int, keep: str, layer1: str = "whole") -> list[RegionSpec]:
+def region_specs(levels: int, keep: str, layer1: str = "whole",
+                 stage: Layer1 = RESNET34) -> list[RegionSpec]:
     """The encoder's regions (levels >= 2) and the decoder regions, in the order they run.
     `layer1` (levels=3): "whole" runs layer1 inside the stem's region, "blocks" one region per
-    BasicBlock (its input p<j> kept), "convs" also cuts each block at its first convolution's
-    output a<j>."""
-    specs = _encoder_specs(levels, keep, layer1) if levels >= 2 else []
+    residual block (its input p<j> kept), "convs" also cuts each block at its first
+    convolution's output a<j>. `stage`: the encoder's layer1 (blocks and their kind)."""
+    specs = _encoder_specs(levels, keep, layer1, stage) if levels >= 2 else []
     start = f"d{LAST_BLOCK + 1 - levels}"
     for stop in _cuts(levels, keep) + [None]:
         computed = _conv1_blocks(start, stop)
         inputs = [start] + [name for block, name in ((2, "l1"), (3, "x")) if block in computed]
         factors = [_factor(name, levels) for name in inputs]
         name = "top" if stop is None else _layer_of(stop, "conv")
-        specs.append(RegionSpec(name, tuple(inputs), tuple(factors), start, stop))
+        specs.append(RegionSpec(name, tuple(inputs), tuple(factors), start, stop, stage))
         start = stop
     return specs
 
 
-def _encoder_specs(levels: int, keep: str, layer1: str) -> list[RegionSpec]:
+def _encoder_specs(levels: int, keep: str, layer1: str, stage: Layer1) -> list[RegionSpec]:
     cuts = ["s"] if keep in ("bn", "half") else []
     if levels >= 3 and layer1 != "whole":
-        for j in range(LAYER1_BLOCKS):
+        for j in range(stage.blocks):
             cuts += [f"p{j}", f"a{j}"] if layer1 == "convs" else [f"p{j}"]
     specs, start = [], "x"
     for stop in cuts + [None]:
         inputs = (start,) if start[0] != "a" else (start, f"p{start[1:]}")  # + the residual
         specs.append(RegionSpec(_encoder_name(start, stop), inputs,
-                                tuple(_factor(n, levels) for n in inputs), start, stop))
+                                tuple(_factor(n, levels) for n in inputs), start, stop, stage))
         start = stop
     return specs
 
@@ -233,16 +290,20 @@ class Trace:
 class TraceOps:
     """`ops` for the walks: records the paths to every BatchNorm input and the norms' order."""
 
-    def __init__(self):
+    def __init__(self, layer1: Layer1):
+        self.layer1 = layer1
         self.norm_paths: list[Path] = []
         self.modules: list[str] = []  # convolutions and BatchNorms, in the order first called
+        self.norms: list[str] = []  # the BatchNorms alone, in the same order
 
     def conv(self, name: str, t: Trace) -> Trace:
         self._use(name)
-        return t.then(STEM if name == "conv1" else CONV3)
+        return t.then(self.layer1.window(name))
 
     def norm(self, name: str, t: Trace, relu: bool = False) -> Trace:
         self.norm_paths += t.paths()
+        if name not in self.norms:
+            self.norms.append(name)
         self._use(name)
         return t
 
@@ -278,9 +339,8 @@ class Traced:
 
 
 def trace(spec: RegionSpec, levels: int) -> Traced:
-    ops = TraceOps()
+    ops = TraceOps(spec.layer1)
     inputs = [Trace(f, [(f, ())]) for f in spec.factors]
     out = encoder_walk(ops, levels, spec, inputs) if spec.encoder \
         else decoder_walk(ops, spec, inputs)
-    norms = [name for name in ops.modules if ".bn" in name or name == "bn1"]
-    return Traced(ops.modules, norms, ops.norm_paths + out.paths())
+    return Traced(ops.modules, ops.norms, ops.norm_paths + out.paths())

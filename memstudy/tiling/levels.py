@@ -8,7 +8,8 @@ The halos follow from the regions' own walks (chain.trace).
 from __future__ import annotations
 
 from memstudy.errors import ConfigError
-from memstudy.tiling.chain import LAYER1, region_specs, trace
+from memstudy.network import ENCODERS, DEFAULT_ENCODER
+from memstudy.tiling.chain import LAYER1, Layer1, region_specs, trace
 from memstudy.tiling.geometry import halo
 
 LEVELS = (1, 2, 3)  # tiled levels implemented
@@ -21,15 +22,19 @@ VALIDATION_LEVELS = 3  # what the tiled validation forward tiles (1/4 res includ
 NETWORK_LEVELS = 6  # full resolution and the five down-sampled grids (1/2 .. 1/32)
 
 
-def halos(levels: int, keep: str = "none", layer1: str = "whole") -> dict[str, tuple[int, int]]:
-    """(top, bottom) halo in coarse rows of each region tiled at `levels` with `keep`."""
+def halos(levels: int, keep: str = "none", layer1: str = "whole",
+          encoder: str = DEFAULT_ENCODER) -> dict[str, tuple[int, int]]:
+    """(top, bottom) halo in coarse rows of each region tiled at `levels` with `keep`, for the
+    U-Net of `encoder` (its layer1's blocks set the halo at levels=3)."""
+    stage = Layer1.of(ENCODERS[encoder])
     return {spec.name: halo(trace(spec, levels).paths)
-            for spec in region_specs(levels, keep, layer1)}
+            for spec in region_specs(levels, keep, layer1, stage)}
 
 
-def min_tile_rows(levels: int, keep: str = "none", layer1: str = "whole") -> int:
+def min_tile_rows(levels: int, keep: str = "none", layer1: str = "whole",
+                  encoder: str = DEFAULT_ENCODER) -> int:
     """Full-resolution rows of the widest halo: a tile must own at least this many rows."""
-    return max(max(h) for h in halos(levels, keep, layer1).values()) * 2 ** levels
+    return max(max(h) for h in halos(levels, keep, layer1, encoder).values()) * 2 ** levels
 
 
 def check_levels(levels: int, what: str) -> None:

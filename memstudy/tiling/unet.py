@@ -1,4 +1,4 @@
-"""The tiled regions of the smp U-Net / ResNet-34, and the forward that runs them.
+"""The tiled regions of the smp U-Net (any ResNet-family encoder), and the forward that runs them.
 
 `levels` counts the resolution levels tiled, from full resolution down (the coarse grid of the
 regions is 1/2**levels of the input):
@@ -19,8 +19,8 @@ Everything else (layer1 or layer2 down, the untiled decoder blocks) runs as usua
 modules' own forward, so checkpoint / invertible / offload / amp act on it unchanged. The walks
 follow smp 0.6's ResNetEncoder.forward, UnetDecoderBlock.forward (nearest up-sampling by 2,
 concatenation with the skip, attention (identity), two Conv2dReLU = conv, BatchNorm, ReLU),
-torchvision's BasicBlock and SegmentationHead (conv, identity up-sampling, activation) step for
-step, except that a decoder block's up-sampling, concatenation and first convolution run as one
+torchvision's BasicBlock / Bottleneck (grouped or not) and SegmentationHead (conv, identity
+up-sampling, activation) step for step, except that a decoder block's up-sampling, concatenation and first convolution run as one
 exact folded op (`TensorOps.up_conv`); `check_model` refuses a model that differs in anything
 they rely on.
 """
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from memstudy.errors import ConfigError
-from memstudy.tiling.chain import (LAST_BLOCK, LAYER1_BLOCKS, RegionSpec, decoder_walk,
-                                   encoder_walk, region_specs, trace)
+from memstudy.tiling.chain import (LAST_BLOCK, Layer1, RegionSpec, decoder_walk, encoder_walk,
+                                   region_specs, trace)
 from memstudy.tiling.geometry import halo, plan_tiles, split_rows
 from memstudy.tiling.graphs import TileGraphs
 from memstudy.tiling.levels import check_keep, check_layer1, check_levels
@@ -41,12 +41,17 @@ from memstudy.tiling.sweep import Region, TileRun, run_region
 
 
 # -- the model's parts by the names the walks use ----------------------------------------------
+def layer1_of(unet: nn.Module) -> Layer1:
+    """The model's first residual stage as the walks run it (from its encoder's description)."""
+    return Layer1.of(unet.encoder_spec)
+
+
 def named_modules(unet: nn.Module, levels: int) -> dict[str, nn.Module]:
     enc, blocks = unet.encoder, unet.decoder_blocks
     found = {"conv1": enc.conv1, "bn1": enc.bn1, "head": unet.head, "maxpool": enc.maxpool}
-    for j in range(LAYER1_BLOCKS if levels >= 3 else 0):  # invertible may replace it otherwise
-        unit = enc.layer1[j]
-        found.update({f"layer1.{j}.{n}": getattr(unit, n) for n in ("conv1", "bn1", "conv2", "bn2")})
+    stage = layer1_of(unet)
+    for j in range(stage.blocks if levels >= 3 else 0):  # invertible may replace it otherwise
+        found.update({name: enc.get_submodule(name) for name in stage.block_modules(j)})
     for i in range(2, LAST_BLOCK + 1):
         block = blocks[i]
         found.update({f"block{i}.conv1": block.conv1[0], f"block{i}.bn1": block.conv1[1],
@@ -55,12 +60,29 @@ def named_modules(unet: nn.Module, levels: int) -> dict[str, nn.Module]:
 
 
 def plain_layer1(unet: nn.Module) -> bool:
-    """layer1 is ResNet-34's three BasicBlocks, as levels=3 tiles them (invertible replaces them
-    with momentum blocks)."""
-    units = list(unet.encoder.layer1)
-    return len(units) == LAYER1_BLOCKS and all(
-        all(hasattr(u, n) for n in ("conv1", "bn1", "conv2", "bn2", "downsample"))
-        and u.downsample is None for u in units)
+    """layer1 is the encoder's own residual blocks, as levels=3 tiles them (invertible replaces
+    them with momentum blocks): each with the modules the walk names, and a projection
+    shortcut exactly where the walk expects one."""
+    if not hasattr(unet, "encoder_spec"):
+        return False
+    stage, units = layer1_of(unet), list(unet.encoder.layer1)
+    if len(units) != stage.blocks:
+        return False
+    for j, unit in enumerate(units):
+        parts = [name.split(".", 2)[2] for name in stage.block_modules(j)]
+        if not all(_has(unit, part) for part in parts):
+            return False
+        if unit.downsample is not None and not (j == 0 and stage.projection):
+            return False
+    return True
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def check_model(unet: nn.Module, levels: int) -> None:
@@ -76,19 +98,20 @@ def check_model(unet: nn.Module, levels: int) -> None:
         problems.append("the decoder has a center block")
     convs = [f"block{i}.conv{k}" for i in range(LAST_BLOCK + 1 - levels, LAST_BLOCK + 1)
              for k in (1, 2)]
+    modules = named_modules(unet, levels) if levels < 3 or plain_layer1(unet) else None
+    if modules is None:
+        raise ConfigError(f"tile:levels=3 tiles layer1, which is not {unet.encoder_name}'s "
+                          "residual blocks here (invertible replaces them with momentum "
+                          "blocks); use tile:levels=2 or drop invertible")
+    for name in convs:  # the decoder's: up_conv splits their weights by input channel
+        problems += _conv_problems(name, modules[name], 3, groups=False)
     if levels >= 3:
-        if not plain_layer1(unet):
-            raise ConfigError("tile:levels=3 tiles layer1, which is not ResNet-34's three "
-                              "BasicBlocks here (invertible replaces them with momentum blocks); "
-                              "use tile:levels=2 or drop invertible")
-        convs += [f"layer1.{j}.conv{k}" for j in range(LAYER1_BLOCKS) for k in (1, 2)]
-    modules = named_modules(unet, levels)
-    for name in convs:
-        conv = modules[name]
-        if (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups,
-                conv.padding_mode) != ((3, 3), (1, 1), (1, 1), (1, 1), 1, "zeros"):
-            problems.append(f"{name} is not a 3x3 / stride 1 / zero padding 1 / ungrouped "
-                            "convolution")
+        stage = layer1_of(unet)
+        for j in range(stage.blocks):
+            for name in stage.block_modules(j):
+                if ".bn" not in name and not name.endswith("downsample.1"):
+                    problems += _conv_problems(name, modules[name], stage.window(name).kernel,
+                                               groups=True)
     for i in range(LAST_BLOCK + 1 - levels, LAST_BLOCK + 1):
         block = blocks[i]
         if block.interpolation_mode != "nearest":
@@ -98,14 +121,27 @@ def check_model(unet: nn.Module, levels: int) -> None:
                 problems.append(f"decoder block {i} has attention")
     if not isinstance(head[1], nn.Identity) or head[0].kernel_size != (3, 3):
         problems.append("the segmentation head up-samples or is not a 3x3 convolution")
-    for spec in region_specs(levels, "none"):
+    for spec in region_specs(levels, "none", stage=layer1_of(unet)):
         for name in trace(spec, levels).norms:
             bn = modules[name]
             if not (isinstance(bn, nn.BatchNorm2d) and bn.affine and bn.track_running_stats):
                 problems.append(f"{name} is not an affine BatchNorm2d with running stats")
     if problems:
-        raise ConfigError("tile: the model differs from the smp U-Net / ResNet-34 the tiled "
-                          f"regions reproduce ({'; '.join(problems)}); drop tile")
+        raise ConfigError("tile: the model differs from the smp U-Net the tiled regions "
+                          f"reproduce ({'; '.join(problems)}); drop tile")
+
+
+def _conv_problems(name: str, conv: nn.Module, kernel: int, groups: bool) -> list[str]:
+    """What keeps `conv` from being the stride-1 `kernel` x `kernel` zero-padded convolution the
+    walk's geometry assumes (grouped allowed where the walk calls the module itself)."""
+    expected = ((kernel, kernel), (1, 1), (kernel // 2, kernel // 2), (1, 1), "zeros")
+    if not isinstance(conv, nn.Conv2d) or (conv.kernel_size, conv.stride, conv.padding,
+                                           conv.dilation, conv.padding_mode) != expected:
+        return [f"{name} is not a {kernel}x{kernel} / stride 1 / zero padding {kernel // 2} "
+                "convolution"]
+    if conv.groups != 1 and not groups:
+        return [f"{name} is a grouped convolution"]
+    return []
 
 
 class TensorOps:
@@ -199,7 +235,7 @@ def build_region(unet: nn.Module, spec: RegionSpec, levels: int, produced: set[s
 
 # -- the forward ------------------------------------------------------------------------------
 class TiledForward:
-    """Replaces `ContrastUNet.forward_padded` on an instance: same function, tiled top levels."""
+    """Replaces `UNet.forward_padded` on an instance: same function, tiled top levels."""
 
     def __init__(self, unet: nn.Module, levels: int = 2, tiles: int = 0, rows: int = 0,
                  keep: str = "conv1", graphs: TileGraphs | None = None, layer1: str = "whole",
@@ -213,7 +249,7 @@ class TiledForward:
         check_model(unet, levels)
         self.unet, self.levels, self.tiles, self.rows, self.keep = unet, levels, tiles, rows, keep
         self.graphs = graphs
-        self.specs = region_specs(levels, keep, layer1)
+        self.specs = region_specs(levels, keep, layer1, layer1_of(unet))
         produced: set[str] = set()
         self.regions = {spec.name: build_region(unet, spec, levels, produced, kernels)
                         for spec in self.specs}

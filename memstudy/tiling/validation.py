@@ -25,7 +25,7 @@ UNTILED_REASON = "untiled_validation_reason"
 
 
 def find_unet(model: nn.Module) -> nn.Module | None:
-    """The ContrastUNet inside DDP / torch.compile wrappers, or None (a split model)."""
+    """The UNet inside DDP / torch.compile wrappers, or None (a split model)."""
     seen = 0
     while model is not None and seen < 4:
         if hasattr(model, "forward_padded") and hasattr(model, "decoder_blocks"):
@@ -63,7 +63,8 @@ def validation_forward(model: nn.Module, x: torch.Tensor, rows: int) -> tuple[to
     """The eval-mode output for `x`, and how it was computed (recorded with the run)."""
     unet = find_unet(model)
     if unet is None:
-        return model(x), "untiled (the model is split across devices or stages)"
+        return model(x), ("untiled (the model is not the whole U-Net: split across devices or "
+                          "stages, or a model.factory network)")
     levels = validation_levels(unet)
     reason = getattr(unet, UNTILED_REASON, None) if rows else None
     rows = 0 if reason else rows

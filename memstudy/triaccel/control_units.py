@@ -31,7 +31,7 @@ class Unit:
 
 
 def unet_units(model: nn.Module) -> list[Unit]:
-    """The control units of a ContrastUNet (as built, or after block-level techniques)."""
+    """The control units of a UNet (as built, or after block-level techniques)."""
     needed = ("encoder", "residual_stages", "residual_stage_names", "decoder_blocks", "head")
     if not all(hasattr(model, a) for a in needed):
         raise ConfigError(f"tri_accel needs the U-Net's named blocks, but the model is a "
