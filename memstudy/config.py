@@ -171,6 +171,20 @@ class MeterConfig:
 SOURCES = ("synthetic", "folder")
 # The phantoms' mask classes, by index (train.task = "segment", datasets/phantom.make_mask)
 PHANTOM_CLASSES = ("background", "lung", "heart", "bone")
+MASK_CLASSES_MAX = 255  # masks are held as 8-bit class indices (memstudy/datasets)
+
+
+def check_segment_classes(classes: int, source: str) -> None:
+    """model.classes for train.task = "segment": what the masks can hold, and on phantoms
+    what their masks have (1: the lung fields, or every class of PHANTOM_CLASSES)."""
+    if classes > MASK_CLASSES_MAX:
+        raise ConfigError(f"model.classes = {classes}: masks hold 8-bit class indices, so "
+                          f"train.task = 'segment' takes at most {MASK_CLASSES_MAX} classes")
+    if source == "synthetic" and classes not in (1, len(PHANTOM_CLASSES)):
+        raise ConfigError(f"model.classes = {classes}, but phantom masks have 1 class (lung "
+                          f"fields) or {len(PHANTOM_CLASSES)} ({', '.join(PHANTOM_CLASSES)}); "
+                          "set model.classes to one of them, or segment a folder "
+                          "(data.source = 'folder')")
 
 
 @dataclass
@@ -234,6 +248,8 @@ class RunConfig:
             raise ConfigError(str(exc)) from None
         check_size_source(self.train.image_size, self.data.source, self.data.resize)
         self.model.check(getattr(self.train, "task", "enhance"))
+        if self.train.task == "segment":
+            check_segment_classes(self.model.classes, self.data.source)
         if self.budget is not None:
             budget_size(self.budget)
         if self.world_size < 1:

@@ -115,7 +115,7 @@ def test_validation_figures_count_the_hard_prediction():
     for seed in (0, 1):
         logits, mask = _logits_and_mask((2, 30, 21), classes, seed=seed)
         figures.add(logits.detach(), mask)
-        losses.append(float(_plain(logits, mask, classes)))
+        losses.append(float(_plain(logits, mask, classes).detach()))
         hard, index = logits.argmax(1), mask[:, 0].long()
         for k, c in enumerate((1, 2)):
             p, t = hard == c, index == c

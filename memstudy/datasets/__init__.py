@@ -1,5 +1,6 @@
-"""Data for the study: synthetic radiograph phantoms, a folder / DICOM loader, and the
-conventional contrast enhancement that makes reference targets. See docs/data.md."""
+"""Data for the study: synthetic radiograph phantoms (and masks of what they draw), a folder /
+DICOM loader (image / target or image / mask pairs), and the conventional contrast enhancement
+that makes reference targets. See docs/data.md and docs/segmentation.md."""
 from memstudy.datasets.dataset import (
     DataConfig,
     FileSource,
@@ -13,17 +14,22 @@ from memstudy.datasets.dataset import (
 )
 from memstudy.datasets.enhance import EnhanceParams, enhance_contrast
 from memstudy.datasets.folder import (
+    MASK_SUFFIXES,
     SUPPORTED_SUFFIXES,
     ImageError,
     ImagePair,
     list_images,
+    list_mask_pairs,
     list_pairs,
     load_image,
+    load_mask,
 )
-from memstudy.datasets.phantom import GENERATOR_VERSION, PhantomLayers, make_phantom, phantom_layers
+from memstudy.datasets.phantom import (GENERATOR_VERSION, PhantomLayers, make_mask, make_phantom,
+                                       phantom_layers)
 
 __all__ = [
     "GENERATOR_VERSION",
+    "MASK_SUFFIXES",
     "SUPPORTED_SUFFIXES",
     "DataConfig",
     "EnhanceParams",
@@ -38,8 +44,11 @@ __all__ = [
     "describe_datasets",
     "enhance_contrast",
     "list_images",
+    "list_mask_pairs",
     "list_pairs",
     "load_image",
+    "load_mask",
+    "make_mask",
     "make_phantom",
     "phantom_layers",
     "resize_square",

@@ -1,8 +1,9 @@
 """Train / validation datasets of (input, target) radiograph pairs, at one size or each native.
 
-`build_datasets(cfg, size, batch_size=1, min_side=MIN_SIZE)` is the one entry point the harness
-uses. Items are float32 tensors (1, height, width) in [0, 1]: the input radiograph and its
-contrast-enhanced reference. `size` is a side (square), (height, width), a canonical size of
+`build_datasets(cfg, size, batch_size=1, min_side=MIN_SIZE, task="enhance", classes=1)` is
+the one entry point the harness uses. Items are float32 tensors (1, height, width) in [0, 1]:
+the input radiograph and its contrast-enhanced reference; for task "segment" the second is the
+mask, uint8 class indices (1, height, width) (docs/segmentation.md). `size` is a side (square), (height, width), a canonical size of
 memstudy.sizes ("HxW", "native") or None / "native": every image at its own resolution.
 
 - synthetic: phantom `index` of `seed`; train takes indices 0..train-1, validation the next
@@ -18,7 +19,8 @@ memstudy.sizes ("HxW", "native") or None / "native": every image at its own reso
   more than one image need every image to have the same shape (they are stacked).
 
 Items are computed lazily and memoised per dataset (each DataLoader worker holds its own copy).
-Memoised and cached items are stored as 16-bit (2, height, width) arrays, half of float32: the
+Memoised and cached items are stored as 16-bit (2, height, width) arrays (a mask's class
+indices as they are), half of float32: the
 quantisation step 1/65535 is far below what the loss can see, and it keeps 60 pairs at 4188 px
 at 4.2 GB of host memory. With `cache_dir` set they are also cached on disk as .npy, keyed by
 source, seed, index or file (path, size, mtime), image size, resize mode, generator version and
@@ -39,9 +41,11 @@ import torch
 from torch.utils.data import Dataset
 
 from memstudy.datasets.enhance import EnhanceParams, enhance_contrast
-from memstudy.datasets.folder import ImageError, ImagePair, list_pairs, load_image
-from memstudy.datasets.phantom import GENERATOR_VERSION, MIN_SIZE, make_phantom
-from memstudy.config import SOURCES, DataConfig  # noqa: F401 (re-exported: the data section)
+from memstudy.datasets.folder import (ImageError, ImagePair, list_mask_pairs, list_pairs,
+                                      load_image, load_mask)
+from memstudy.datasets.phantom import GENERATOR_VERSION, MIN_SIZE, make_mask, make_phantom
+from memstudy.config import SOURCES, DataConfig  # noqa: F401 (re-exported)
+from memstudy.config import check_segment_classes
 from memstudy.errors import ConfigError
 from memstudy.sizes import RESIZE_MODES, is_native, size_hw
 
@@ -49,7 +53,8 @@ _CACHE_FORMAT = 1  # bump when the on-disk layout changes
 
 
 class ItemSource(Protocol):
-    """Where one (input, target) pair comes from."""
+    """Where one (input, target) pair comes from; the target is a mask of class indices
+    (uint8) when the source's `classes` is set (segmentation), else an image in [0, 1]."""
     name: str
 
     def cache_key(self) -> str: ...
@@ -62,6 +67,7 @@ class ItemSource(Protocol):
 class PhantomSource:
     seed: int
     index: int
+    classes: int | None = None  # segmentation: the mask's classes (phantom.make_mask)
 
     @property
     def name(self) -> str:
@@ -78,13 +84,18 @@ class PhantomSource:
              resize: str) -> tuple[np.ndarray, np.ndarray]:
         if hw is None:
             raise ValueError("phantoms have no native size; give train.image_size a size")
-        raw = make_phantom(hw if hw[0] != hw[1] else hw[0], self.seed, self.index)
-        return raw.astype(np.float32) / np.float32(65535), enhance_contrast(raw, params)
+        size = hw if hw[0] != hw[1] else hw[0]
+        raw = make_phantom(size, self.seed, self.index)
+        image = raw.astype(np.float32) / np.float32(65535)
+        if self.classes is not None:
+            return image, make_mask(size, self.seed, self.index, self.classes)
+        return image, enhance_contrast(raw, params)
 
 
 @dataclass(frozen=True)
 class FileSource:
     pair: ImagePair
+    classes: int | None = None  # segmentation: pair.target is a mask of this many classes
 
     @property
     def name(self) -> str:
@@ -99,13 +110,19 @@ class FileSource:
         """Decode the file (and its target); its (height, width). Conversions go to `notes`."""
         image = load_image(self.pair.input, notes)
         if self.pair.target is not None:
-            target = load_image(self.pair.target)
+            target = self._target()
             if target.shape != image.shape:
                 (th, tw), (ih, iw) = target.shape, image.shape
-                raise ImageError(f"{self.pair.target}: target is {th}x{tw} px (height x width) "
+                what = "target" if self.classes is None else "mask"
+                raise ImageError(f"{self.pair.target}: {what} is {th}x{tw} px (height x width) "
                                  f"but its input {self.pair.input.name} is {ih}x{iw} px; pairs "
                                  "must match")
         return image.shape
+
+    def _target(self) -> np.ndarray:
+        if self.classes is None:
+            return load_image(self.pair.target)
+        return load_mask(self.pair.target, self.classes)
 
     def make(self, hw: tuple[int, int] | None, params: EnhanceParams,
              resize: str) -> tuple[np.ndarray, np.ndarray]:
@@ -113,26 +130,31 @@ class FileSource:
         if self.pair.target is None:
             target = enhance_contrast(image, params)  # at full resolution, then resized
         else:
-            target = load_image(self.pair.target)
+            target = self._target()
         if hw is None or image.shape == hw:
             return image, target
         if resize == "none":  # build_datasets refuses this before training; never resample
             raise ValueError(f"{self.pair.input}: {image.shape} is not {hw} and data.resize = "
                              "'none'")
-        return resize_to(image, hw, resize), resize_to(target, hw, resize)
+        # a mask's class indices are taken from the nearest pixel, never blended
+        return resize_to(image, hw, resize), resize_to(target, hw, resize,
+                                                       nearest=self.classes is not None)
 
 
-def resize_to(image: np.ndarray, hw: tuple[int, int], mode: str) -> np.ndarray:
-    """`image` as hw = (height, width): 'stretch' per axis, or 'cover' (one scale, centre crop)."""
+def resize_to(image: np.ndarray, hw: tuple[int, int], mode: str,
+              nearest: bool = False) -> np.ndarray:
+    """`image` as hw = (height, width): 'stretch' per axis, or 'cover' (one scale, centre crop).
+    `nearest`: each pixel takes its nearest source pixel (masks of class indices)."""
     height, width = hw
+    resample = _nearest if nearest else _resample
     if mode == "stretch":
-        return _resample(image, height, width)
+        return resample(image, height, width)
     if mode != "cover":
         raise ValueError(f"data.resize {mode!r} does not resample; use 'stretch' or 'cover'")
     scale = max(height / image.shape[0], width / image.shape[1])
     # at least the target on each side, despite rounding
     h, w = max(height, round(image.shape[0] * scale)), max(width, round(image.shape[1] * scale))
-    scaled = _resample(image, h, w)
+    scaled = resample(image, h, w)
     top, left = (h - height) // 2, (w - width) // 2
     return np.ascontiguousarray(scaled[top:top + height, left:left + width])
 
@@ -147,6 +169,10 @@ def _resample(image: np.ndarray, height: int, width: int) -> np.ndarray:
         interp = cv2.INTER_AREA if h > height else cv2.INTER_CUBIC
         image = cv2.resize(image, (width, height), interpolation=interp)
     return np.clip(image, 0, 1)
+
+
+def _nearest(mask: np.ndarray, height: int, width: int) -> np.ndarray:
+    return cv2.resize(mask, (width, height), interpolation=cv2.INTER_NEAREST)
 
 
 def resize_square(image: np.ndarray, size: int) -> np.ndarray:
@@ -178,15 +204,18 @@ def as_hw(size) -> tuple[int, int] | None:
 
 
 class RadiographDataset(Dataset):
-    """(input, target) float32 tensors of shape (1, height, width) in [0, 1].
+    """(input, target) float32 tensors of shape (1, height, width) in [0, 1]; with `classes`
+    set (segmentation, the sources' masks) the target is a uint8 mask of class indices.
 
     `size` as in `as_hw` (None / 'native': each file at its own shape). Every source is checked
     (files decoded) here; all bad files are reported in one ImageError."""
 
     def __init__(self, sources: Sequence[ItemSource], size,
                  cache_dir: str | os.PathLike | None = None, params: EnhanceParams | None = None,
-                 resize: str = "none", checked: tuple[list, dict] | None = None):
+                 resize: str = "none", checked: tuple[list, dict] | None = None,
+                 classes: int | None = None):
         self.hw = as_hw(size)
+        self.classes = classes
         self.resize = resize
         self.sources = tuple(sources)
         if not self.sources:
@@ -222,12 +251,18 @@ class RadiographDataset(Dataset):
         i = range(len(self))[i]  # IndexError out of range, negative indices allowed
         if i not in self._memo:
             self._memo[i] = self._load(i)
-        both = torch.from_numpy(self._memo[i].astype(np.float32)).div_(65535)
+        stored = self._memo[i]
+        if self.classes is not None:  # the mask's class indices, stored as they are
+            image = torch.from_numpy(stored[0:1].astype(np.float32)).div_(65535)
+            return image, torch.from_numpy(stored[1:2].astype(np.uint8))
+        both = torch.from_numpy(stored.astype(np.float32)).div_(65535)
         return both[0:1], both[1:2]
 
     def _cache_path(self, source: ItemSource) -> Path:
         key = (f"{source.cache_key()}|size={self.size_label}|resize={self.resize}"
                f"|generator={GENERATOR_VERSION}|enhance={self.params!r}|format={_CACHE_FORMAT}")
+        if self.classes is not None:  # a mask instead of a target (enhancement keys unchanged)
+            key += f"|mask_classes={self.classes}"
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         return self.cache_dir / f"{source.name}-{self.size_label}px-{digest}.npy"
 
@@ -242,7 +277,9 @@ class RadiographDataset(Dataset):
             except (OSError, ValueError, EOFError):
                 pass  # a damaged cache entry: regenerate it below
         image, target = source.make(self.hw, self.params, self.resize)
-        both = np.rint(np.stack([image, target]) * 65535).astype(np.uint16)
+        if self.classes is None:
+            target = np.rint(target * 65535)
+        both = np.stack([np.rint(image * 65535), target]).astype(np.uint16)
         if path is not None:
             temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             with open(temporary, "wb") as f:
@@ -251,10 +288,12 @@ class RadiographDataset(Dataset):
         return both
 
 
-def check_sources(sources: Sequence[ItemSource]) -> tuple[list, dict[str, list[str]]]:
+def check_sources(sources: Sequence[ItemSource],
+                  problems: Sequence[str] = ()) -> tuple[list, dict[str, list[str]]]:
     """Decode every source; their shapes and conversion notes (note -> names), or one
-    ImageError listing every file that cannot be used, not only the first."""
-    shapes, notes, errors = [], {}, []
+    ImageError listing every file that cannot be used, not only the first, after the
+    `problems` found before (images and masks that do not pair)."""
+    shapes, notes, errors = [], {}, list(problems)
     for source in sources:
         found: list[str] = []
         try:
@@ -266,14 +305,29 @@ def check_sources(sources: Sequence[ItemSource]) -> tuple[list, dict[str, list[s
             notes.setdefault(note, []).append(source.name)
     if len(errors) == 1:
         raise ImageError(errors[0])
+    if problems:
+        raise ImageError(f"{len(errors)} problems with the images and masks of data.path:\n  "
+                         + "\n  ".join(errors))
     if errors:
         raise ImageError(f"{len(errors)} of {len(sources)} images cannot be used:\n  "
                          + "\n  ".join(errors))
     return shapes, notes
 
 
-def _split_folder(cfg: DataConfig) -> tuple[list[FileSource], list[FileSource]]:
-    pairs = list_pairs(cfg.path)
+def _folder_pairs(cfg: DataConfig, classes: int | None) -> list[ImagePair]:
+    """The folder's pairs; for masks, every pairing problem is listed in one ImageError with
+    the problems of every paired file (decoded for that), so that one error says it all."""
+    if classes is None:
+        return list_pairs(cfg.path)
+    pairs, problems = list_mask_pairs(cfg.path)
+    if problems:
+        check_sources([FileSource(pair, classes) for pair in pairs], problems)
+    return pairs
+
+
+def _split_folder(cfg: DataConfig,
+                  classes: int | None) -> tuple[list[FileSource], list[FileSource]]:
+    pairs = _folder_pairs(cfg, classes)
     need = cfg.train_images + cfg.val_images
     if len(pairs) < need:
         raise ValueError(f"data.path {str(cfg.path)!r} holds {len(pairs)} images but "
@@ -283,33 +337,41 @@ def _split_folder(cfg: DataConfig) -> tuple[list[FileSource], list[FileSource]]:
     order = np.random.default_rng(cfg.seed).permutation(len(pairs))
     train = sorted(order[: cfg.train_images])
     val = sorted(order[cfg.train_images: need])
-    return [FileSource(pairs[i]) for i in train], [FileSource(pairs[i]) for i in val]
+    return ([FileSource(pairs[i], classes) for i in train],
+            [FileSource(pairs[i], classes) for i in val])
 
 
-def build_datasets(cfg: DataConfig, size, batch_size: int = 1,
-                   min_side: int = MIN_SIZE) -> tuple[RadiographDataset, RadiographDataset]:
+def build_datasets(cfg: DataConfig, size, batch_size: int = 1, min_side: int = MIN_SIZE,
+                   task: str = "enhance",
+                   classes: int = 1) -> tuple[RadiographDataset, RadiographDataset]:
     """Train and validation datasets, validated (files decoded, shapes checked) up front.
+    task "segment": targets are masks of `classes` classes (model.classes; 1 = binary).
 
     Refused with a ConfigError naming the setting: folder images whose shape is not `size`
     with data.resize = 'none'; native images with a side below `min_side`; native images of
     different shapes with batch_size > 1 (a batch is stacked)."""
     cfg.validate()
     hw = as_hw(size)
+    masks = classes if task == "segment" else None
     cache = cfg.cache_dir or os.environ.get("MEMSTUDY_CACHE") or None  # env: a machine-wide cache
     if cfg.source == "synthetic":
         if hw is None:
             raise ConfigError("train.image_size = 'native' needs folder data; set data.source = "
                               "'folder' and data.path, or give a size such as 1024")
-        train = [PhantomSource(cfg.seed, i) for i in range(cfg.train_images)]
-        val = [PhantomSource(cfg.seed, cfg.train_images + i) for i in range(cfg.val_images)]
-        return (RadiographDataset(train, hw, cache), RadiographDataset(val, hw, cache))
-    train, val = _split_folder(cfg)
+        if masks is not None:  # what RunConfig.check refuses; here for callers without one
+            check_segment_classes(masks, cfg.source)
+        train = [PhantomSource(cfg.seed, i, masks) for i in range(cfg.train_images)]
+        val = [PhantomSource(cfg.seed, cfg.train_images + i, masks)
+               for i in range(cfg.val_images)]
+        return (RadiographDataset(train, hw, cache, classes=masks),
+                RadiographDataset(val, hw, cache, classes=masks))
+    train, val = _split_folder(cfg, masks)
     shapes, notes = check_sources([*train, *val])  # every bad file of both, in one error
     check_shapes([s.name for s in (*train, *val)], shapes, hw, cfg.resize, batch_size, min_side)
     n = len(train)
     split = {"train": (train, shapes[:n]), "val": (val, shapes[n:])}
     return tuple(RadiographDataset(sources, hw, cache, resize=cfg.resize,
-                                   checked=(part, _notes_of(notes, sources)))
+                                   checked=(part, _notes_of(notes, sources)), classes=masks)
                  for sources, part in split.values())
 
 
@@ -351,6 +413,8 @@ def describe_datasets(train: RadiographDataset, val: RadiographDataset) -> dict:
     """What was done to the data, for the run's record: the size, how many images were
     resampled (and how), their native shapes and any conversions made while reading them."""
     facts: dict = {"size": train.size_label, "resize": train.resize}
+    if train.classes is not None:  # segmentation: the masks' classes
+        facts["mask_classes"] = train.classes
     for part, ds in (("train", train), ("val", val)):
         native = [s for s in ds.source_shapes if s is not None]
         if native:  # folder data: the files' own shapes, and how many the size changed

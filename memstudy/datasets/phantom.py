@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import cv2
 import numpy as np
 
+from memstudy.config import PHANTOM_CLASSES
+
 GENERATOR_VERSION = 1  # bump whenever the output changes: it keys the on-disk caches
 NATIVE_SIZE = 4188  # the study's largest radiograph side; noise is defined at this pixel size
 MIN_SIZE = 32
@@ -62,6 +64,8 @@ class _Anatomy:
     capsules: list = field(default_factory=list)  # (u0, v0, u1, v1, radius, peak): limbs
     bones: list = field(default_factory=list)  # (layer, kind, points, width); kind tube / blob
     vessels: list = field(default_factory=list)  # (points, width)
+    lungs: list = field(default_factory=list)  # (cu, cv, a, b, angle) of each lung: masks
+    heart: tuple = ()  # (cu, cv, a, b, angle): masks
 
 
 @dataclass
@@ -104,8 +108,10 @@ def _sample_anatomy(rng: np.random.Generator) -> _Anatomy:
                 rng.uniform(0.17, 0.22), rng.uniform(0.30, 0.38), side * rng.uniform(4, 14))
         lungs.append(lung)
         e.append(lung + (-rng.uniform(0.40, 0.55) * peak,))
-    e.append((rng.uniform(-0.02, 0.08), rng.uniform(-0.18, -0.08), rng.uniform(0.17, 0.23),
-              rng.uniform(0.20, 0.26), rng.uniform(15, 35), 0.32 * peak))  # heart
+    heart = (rng.uniform(-0.02, 0.08), rng.uniform(-0.18, -0.08), rng.uniform(0.17, 0.23),
+             rng.uniform(0.20, 0.26), rng.uniform(15, 35), 0.32 * peak)
+    e.append(heart)
+    anat.lungs, anat.heart = lungs, heart[:5]
     e.append((rng.uniform(-0.05, 0.05), rng.uniform(0.12, 0.20), rng.uniform(0.38, 0.45),
               rng.uniform(0.14, 0.20), rng.uniform(-10, 10), 0.07 * peak))  # liver
     for side in (-1, 1):  # kidneys
@@ -239,12 +245,16 @@ def _stroke(pose: Pose, size: int, points: np.ndarray, width: float):
     return np.rint(px * (1 << _SHIFT)).astype(np.int32), max(1, round(thick)), min(1.0, thick)
 
 
-def _draw(canvas: np.ndarray, pose: Pose, kind: str, points, width: float, level: float) -> None:
+def _draw(canvas: np.ndarray, pose: Pose, kind: str, points, width: float, level: float,
+          line: int = cv2.LINE_AA) -> None:
+    """One bone or vessel; `line` cv2.LINE_8 with level 1 draws it whole (a mask)."""
     pts, thick, factor = _stroke(pose, canvas.shape[0], points, width)
+    if line != cv2.LINE_AA:
+        factor = 1.0  # a mask marks a thin stroke's pixel whole, not in proportion
     if kind == "blob":
-        cv2.fillPoly(canvas, [pts], round(level * 255), cv2.LINE_AA, _SHIFT)
+        cv2.fillPoly(canvas, [pts], round(level * 255), line, _SHIFT)
     else:
-        cv2.polylines(canvas, [pts], False, round(level * factor * 255), thick, cv2.LINE_AA, _SHIFT)
+        cv2.polylines(canvas, [pts], False, round(level * factor * 255), thick, line, _SHIFT)
 
 
 def _bones(anat: _Anatomy, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -336,3 +346,50 @@ def make_phantom(size, seed: int, index: int = 0) -> np.ndarray:
     mu += layers.vessels
     image = _detect(mu, rng, side)
     return image if height == width else _centre_crop(image, height, width)
+
+
+def _ellipse_inside(n: int, pose: Pose, cu, cv, a, b, angle) -> tuple[slice, slice, np.ndarray]:
+    """The pixels of an n x n grid inside an ellipse of the body frame: (rows, cols, inside)."""
+    cu, cv, a, b = float(cu), float(cv), float(a), float(b)
+    rows, cols = _box(n, pose, cu, cv, max(a, b))
+    u, v = _body_grid(n, pose, rows, cols)
+    ca, sa = math.cos(math.radians(angle)), math.sin(math.radians(angle))
+    du, dv = u - cu, v - cv
+    return rows, cols, ((du * ca + dv * sa) / a) ** 2 + ((-du * sa + dv * ca) / b) ** 2 < 1
+
+
+def _mark(mask: np.ndarray, pose: Pose, ellipse: tuple, value: int) -> None:
+    rows, cols, inside = _ellipse_inside(mask.shape[0], pose, *ellipse)
+    mask[rows, cols][inside] = value
+
+
+def _bone_pixels(anat: _Anatomy, size: int) -> np.ndarray:
+    """Every bone's outline filled (cortex and marrow), drawn as the image draws it."""
+    canvas = np.zeros((size, size), np.uint8)
+    for _layer, kind, points, width in anat.bones:
+        _draw(canvas, anat.pose, kind, points, width, 1.0, cv2.LINE_8)
+    return canvas > 0
+
+
+def make_mask(size, seed: int, index: int = 0, classes: int = len(PHANTOM_CLASSES)) -> np.ndarray:
+    """The mask of the structures `make_phantom(size, seed, index)` draws, uint8 class indices.
+
+    classes = len(PHANTOM_CLASSES): 0 background, 1 lung, 2 heart, 3 bone (spine, ribs,
+    pelvis, limb bones); where they overlap in the projection, bone is marked over heart and
+    heart over lung. classes = 1: the lung fields (1) against the rest (0), ribs included.
+    The same geometry as the image, at every size (the anatomy is drawn before rasterising);
+    rectangles are the centre crop, as the image's."""
+    if classes not in (1, len(PHANTOM_CLASSES)):
+        raise ValueError(f"phantom masks have 1 class (lung fields) or {len(PHANTOM_CLASSES)} "
+                         f"({', '.join(PHANTOM_CLASSES)}); got {classes}")
+    height, width = _height_width(size)
+    side = max(height, width)
+    rng = np.random.default_rng((_check_int("seed", seed, 0), _check_int("index", index, 0)))
+    anat = _sample_anatomy(rng)
+    mask = np.zeros((side, side), np.uint8)
+    for lung in anat.lungs:
+        _mark(mask, anat.pose, lung, PHANTOM_CLASSES.index("lung"))
+    if classes > 1:
+        _mark(mask, anat.pose, anat.heart, PHANTOM_CLASSES.index("heart"))
+        mask[_bone_pixels(anat, side)] = PHANTOM_CLASSES.index("bone")
+    return mask if height == width else _centre_crop(mask, height, width)
