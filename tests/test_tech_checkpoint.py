@@ -11,8 +11,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memstudy.errors import ConfigError
 from memstudy.models import build_unet
+from memstudy.network import ModelConfig
 from memstudy.runner import execute
-from memstudy.techniques.checkpoint import (RESNET34_UNET_UNITS, apply_per_block, chain_units,
+from memstudy.techniques.checkpoint import (unet_units, apply_per_block, chain_units,
                                             checkpoint_module, sqrt_regions)
 from memstudy.techniques.compose import build_pipeline, make_plan
 from conftest import small_config
@@ -144,7 +145,7 @@ def test_checkpoint_regions_recorded(checkpointed):
 
 def test_sqrt_units_and_regions():
     units = chain_units(build_unet())
-    assert len(units) == RESNET34_UNET_UNITS == 22
+    assert len(units) == unet_units(ModelConfig()) == 22
     regions = sqrt_regions(units, 5)
     # Encoder regions never span a stage: stage outputs are skip features, kept anyway.
     assert all(len({u.group for u in r}) == 1 for r in regions)

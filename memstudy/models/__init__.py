@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from memstudy.models.factory import build_factory_model, check_factory
+from memstudy.models.factory import build_factory_model, check_factory, top_level_modules
 from memstudy.models.unet import UNet, build_unet, load_encoder_weights
 
-__all__ = ["UNet", "build_model", "build_unet", "check_factory", "load_encoder_weights"]
+__all__ = ["UNet", "build_model", "build_unet", "check_factory", "load_encoder_weights",
+           "top_level_modules"]
 
 
 def build_model(config, weights: bool = True) -> nn.Module:

@@ -70,3 +70,11 @@ def build_factory_model(network: ModelConfig, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return call_factory(network)
+
+
+def top_level_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The network's direct children that hold parameters, by name: the units that techniques
+    acting per module (checkpoint:placement=modules, fsdp, tri_accel) use on a network whose
+    structure memstudy does not know."""
+    return [(name, child) for name, child in model.named_children()
+            if any(True for _ in child.parameters())]

@@ -73,13 +73,14 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from memstudy.errors import ConfigError
+from memstudy.models import top_level_modules
+from memstudy.network import encoder_of
 from memstudy.runtime import CheckpointRegions, mark_boundary
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 from memstudy.techniques.invertible import MomentumBlocks
 
-PLACEMENTS = ("block", "sqrt", "selective")
-RESNET34_UNET_UNITS = 1 + (3 + 4 + 6 + 3) + 5  # stem, BasicBlocks, decoder blocks
+PLACEMENTS = ("block", "sqrt", "selective", "modules")
 SAVED_OPS = {torch.ops.aten.convolution.default}  # `selective` keeps these outputs
 # modules that draw random numbers in training: only regions holding one need the RNG state
 # stashed in forward and restored for the recomputation (preserve_rng_state)
@@ -91,9 +92,14 @@ class Options:
     placement: str = field(default="block", metadata={
         "choices": PLACEMENTS,
         "help": "block: each residual / decoder block; sqrt: ~sqrt(L) segments; selective: per "
-                "block, convolution outputs kept, the rest recomputed"})
+                "block, convolution outputs kept, the rest recomputed; modules: each named "
+                "module of any network (e.g. a model.factory one)"})
     segments: int = field(default=0, metadata={
         "help": "sqrt only: number of even segments over the L units (0 = round(sqrt(L)))"})
+    modules: str = field(default="", metadata={
+        "hash_neutral": True,  # added after runs were recorded: their canonical form stays
+        "help": "modules only: '+'-separated module names (e.g. 'encoder+decoder'); empty = "
+                "every top-level module that holds parameters"})
 
 
 def check(opts: Options, plan: Plan) -> None:
@@ -105,9 +111,28 @@ def check(opts: Options, plan: Plan) -> None:
     if opts.segments and opts.placement != "sqrt":
         raise ConfigError(f"checkpoint: segments applies only to placement=sqrt (got "
                           f"placement={opts.placement}); drop segments or use checkpoint:sqrt")
-    if not 0 <= opts.segments <= RESNET34_UNET_UNITS:
+    units = unet_units(plan.config.model)
+    if units and not 0 <= opts.segments <= units:
         raise ConfigError(f"checkpoint: segments={opts.segments} must be 0 (= sqrt of the unit "
-                          f"count) or 1..{RESNET34_UNET_UNITS}, the ResNet-34 U-Net's units")
+                          f"count) or 1..{units}, the {plan.config.model.describe()}'s units")
+    if opts.modules and opts.placement != "modules":
+        raise ConfigError(f"checkpoint: modules applies only to placement=modules (got "
+                          f"placement={opts.placement}); drop modules or use "
+                          "checkpoint:modules:modules=...")
+
+
+def unet_units(network) -> int:
+    """The units `sqrt` segments: stem, residual blocks, decoder blocks; 0 for a user's own
+    network (model.factory), which has none."""
+    encoder = encoder_of(network)
+    return 0 if encoder is None else 1 + sum(encoder.layers) + len(network.decoder_channels)
+
+
+def needs_unet(opts: Options) -> str | bool:
+    if opts.placement == "modules":
+        return False
+    return (f"(placement={opts.placement}) checkpoints the U-Net's residual and decoder blocks "
+            "(checkpoint:modules checkpoints any network's top-level or named modules)")
 
 
 # -- running a region under checkpoint ------------------------------------------------------
@@ -343,9 +368,33 @@ def apply_sqrt(model: nn.Module, segments: int, running: CheckpointRegions
     return wrapped, skipped, k
 
 
+def apply_per_module(model: nn.Module, names: str, regions: CheckpointRegions
+                     ) -> tuple[list[str], list[str]]:
+    """`modules`: each named module (every top-level one with parameters by default) a region."""
+    if names:
+        chosen = [(name, _submodule(model, name)) for name in names.split("+")]
+    else:
+        chosen = top_level_modules(model)
+    for _, module in chosen:
+        checkpoint_module(module, False, regions)
+    return [name for name, _ in chosen], []
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        children = [n for n, _ in model.named_children()]
+        raise ConfigError(f"checkpoint:modules names {name!r}, which the "
+                          f"{type(model).__name__} does not have; its top-level modules are "
+                          f"{children}") from None
+
+
 def apply(opts: Options, build: Build) -> None:
     model = build.model
-    if opts.placement == "sqrt":
+    if opts.placement == "modules":
+        wrapped, skipped = apply_per_module(model, opts.modules, build.runtime.checkpoint_regions)
+    elif opts.placement == "sqrt":
         wrapped, skipped, k = apply_sqrt(model, opts.segments, build.runtime.checkpoint_regions)
         build.notes["checkpoint_segments"] = k
     else:
@@ -358,4 +407,4 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("checkpoint", Stage.ACTIVATION, Options,
                    "recompute activations in backward: less forward memory, ~1 extra forward",
-                   apply, check, order=20))
+                   apply, check, order=20, needs_unet=needs_unet))

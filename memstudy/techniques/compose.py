@@ -69,10 +69,10 @@ def make_plan(config: RunConfig, *, device: torch.device | None = None,
     chosen = parse_techniques(config.techniques)  # canonical order, whatever the user's order
     plan = Plan(config=config, device=device, n_gpus=n_gpus, chosen=chosen,
                 techniques={name: get_technique(name) for name in chosen})
-    for name, options in chosen.items():  # the specific refusals first, naming the fix
+    check_network(plan)  # the network first: a technique that cannot act on it at all
+    for name, options in chosen.items():  # the specific refusals, naming the fix
         get_technique(name).check(options, plan)
     check_declared(plan)
-    check_network(plan)
     policy.check_plan(plan)  # train.lr_schedule / lr_scaling / clip_norm against the techniques
     check_upsampling(plan)
     return plan
@@ -186,8 +186,8 @@ def check_network(plan: Plan) -> None:
         return
     for name in plan.declaring("needs_unet"):
         reason = plan.techniques[name].value("needs_unet", plan.chosen[name])
-        raise ConfigError(f"{name} {reason}, which a model.factory network does not expose; "
-                          f"drop {name} (or use model.encoder instead of model.factory)")
+        raise ConfigError(f"{name} {reason}, which a model.factory network does not have; "
+                          f"drop {name}, or train a model.encoder U-Net")
     hw = size_hw(plan.config.train.image_size)
     if hw is not None:  # "native" folder sizes: checked on the first batch instead
         check_factory(network, _images_per_forward(plan), *hw)

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 from memstudy.distributed import context, p2p
 from memstudy.errors import ConfigError
+from memstudy.models import top_level_modules
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 from memstudy.tiling.validation import UNTILED_REASON
@@ -47,9 +48,11 @@ def check(opts: Options, plan: Plan) -> None:
 def apply(opts: Options, build: Build) -> None:
     model = build.model
     blocks = [*getattr(model, "residual_stages", []), *getattr(model, "decoder_blocks", [])]
+    if not blocks:  # a user's own network (model.factory): a unit per top-level module
+        blocks = [child for _, child in top_level_modules(model)]
     if not blocks:
-        raise ConfigError("fsdp shards per U-Net block but the model exposes no "
-                          "residual_stages / decoder_blocks; drop fsdp")
+        raise ConfigError(f"fsdp shards per module but the {type(model).__name__} has no child "
+                          "module with parameters; drop fsdp")
     context.shard_batch(build)
     mesh = init_device_mesh(build.device.type, (context.world_size(),))
     reshard = opts.mode == "full"

@@ -180,4 +180,5 @@ def apply(opts: Options, build: Build) -> None:
 
 register(Technique("invertible", Stage.STRUCTURE, Options,
                    "MomentumNet encoder blocks: activations rebuilt in backward (extra forward)",
-                   apply, check, order=10))  # first: later structural techniques see its blocks
+                   apply, check, order=10,
+                   needs_unet="converts the encoder's shape-preserving residual blocks"))  # first: later structural techniques see its blocks

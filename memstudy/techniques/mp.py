@@ -124,4 +124,5 @@ register(Technique("mp", Stage.STRUCTURE, Options,
                    "model parallel: encoder and decoder on two devices (one process or two)",
                    apply, check, order=90, owns_process_group=_owns_group,
                    gpus_per_process=_gpus_per_process, splits_model=True, splits_gradients=True,
-                   sets_learning_rate=_sets_learning_rate))
+                   sets_learning_rate=_sets_learning_rate,
+                   needs_unet="splits the U-Net into its encoder and its decoder + head"))

@@ -120,4 +120,5 @@ def _sets_learning_rate(opts: Options) -> str | bool:
 register(Technique("pipeline", Stage.STRUCTURE, Options,
                    "pipeline: the mp split over micro-batches (GPipe / 1F1B), two ranks",
                    apply, check, order=90, owns_process_group=True, splits_model=True,
-                   splits_gradients=True, sets_learning_rate=_sets_learning_rate))
+                   splits_gradients=True, sets_learning_rate=_sets_learning_rate,
+                   needs_unet="splits the U-Net into its encoder and its decoder + head"))

@@ -122,4 +122,5 @@ def _freezer(model: nn.Module, after: int):
 
 register(Technique("quantization", Stage.STRUCTURE, Options,
                    "QAT fake-quantized weights/activations: float32 kept, saved bytes rise",
-                   apply, check, order=30))  # after the other module swaps: quantizes the final convs
+                   apply, check, order=30,
+                   needs_unet="leaves the U-Net's segmentation head in float32"))  # after the other module swaps: quantizes the final convs

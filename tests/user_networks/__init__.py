@@ -1,0 +1,1 @@
+"""Users' own networks for model.factory tests."""
