@@ -82,6 +82,8 @@ CREATE TABLE IF NOT EXISTS epochs (
     val_ssim REAL,
     val_psnr REAL,
     time_s REAL NOT NULL,
+    val_dice REAL,                -- train.task = 'segment': Dice / IoU of the validation set
+    val_iou REAL,                 -- (NULL for enhancement, and for runs recorded before them)
     PRIMARY KEY (run_id, rank, epoch)
 );
 CREATE TABLE IF NOT EXISTS series (
@@ -135,6 +137,10 @@ CREATE TABLE IF NOT EXISTS predictions (
 """
 PREDICTION_COLUMNS = ("created_at", "gpu_name", "name", "image_size", "batch_size", "budget",
                       "budget_bytes", "fits", "peak_bytes", "step_time_s", "confidence")
+# the epochs table's columns, in its order (SCHEMA; a migrated database adds the last two)
+SEGMENT_EPOCH_COLUMNS = ("val_dice", "val_iou")
+EPOCH_COLUMNS = ("run_id", "rank", "epoch", "steps", "train_loss", "val_loss", "val_ssim",
+                 "val_psnr", "time_s", *SEGMENT_EPOCH_COLUMNS)
 MAXRES_COLUMNS = ("config_key", "name", "techniques_json", "budget", "budget_bytes", "device",
                   "gpu_name", "batch_size", "fit_sizes_json", "fit_phase", "fit_a", "fit_b",
                   "predicted_px", "found_px", "step_time_s", "peak_bytes", "probes_json", "error",
@@ -327,10 +333,11 @@ class ResultsDB:
             con.executemany("INSERT INTO metrics VALUES (?,?,?,?,?)",
                             [(run_id, r, p, n, _num(v)) for r, p, n, v in rec.metrics])
             con.executemany(
-                "INSERT INTO epochs VALUES (?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO epochs ({', '.join(EPOCH_COLUMNS)}) "
+                f"VALUES ({', '.join('?' * len(EPOCH_COLUMNS))})",
                 [(run_id, e.get("rank", 0), e["epoch"], e["steps"], e.get("train_loss"),
-                  e.get("val_loss"), e.get("val_ssim"), e.get("val_psnr"), e["time_s"])
-                 for e in rec.epochs])
+                  e.get("val_loss"), e.get("val_ssim"), e.get("val_psnr"), e["time_s"],
+                  e.get("val_dice"), e.get("val_iou")) for e in rec.epochs])
             con.executemany("INSERT INTO series VALUES (?,?,?,?,?)",
                             [(run_id, r, s, n, _num(v)) for r, s, n, v in rec.series])
         return run_id
@@ -423,13 +430,17 @@ def _columns(con: sqlite3.Connection, schema: str, table: str) -> list[str]:
 def _migrate(con: sqlite3.Connection) -> None:
     """Add what this memstudy records to a database of an older one (nothing if present)."""
     if {"run_uid", "trained"} <= set(_columns(con, "main", "runs")) and con.execute(
-            "SELECT 1 FROM sqlite_master WHERE name = 'claims'").fetchone():
+            "SELECT 1 FROM sqlite_master WHERE name = 'claims'").fetchone() \
+            and set(SEGMENT_EPOCH_COLUMNS) <= set(_columns(con, "main", "epochs")):
         return
     try:
         con.executescript(SCHEMA)
         _add_run_uid(con)
         if "trained" not in _columns(con, "main", "runs"):  # older runs stay NULL: not judged
             con.execute("ALTER TABLE runs ADD COLUMN trained INTEGER")
+        for column in SEGMENT_EPOCH_COLUMNS:  # older runs are enhancement: NULL
+            if column not in _columns(con, "main", "epochs"):
+                con.execute(f"ALTER TABLE epochs ADD COLUMN {column} REAL")
     except sqlite3.OperationalError as exc:
         if "readonly" not in str(exc):
             raise

@@ -27,7 +27,7 @@ import torch
 from memstudy.errors import ConfigError, Diverged, PhaseFailure
 from memstudy.meters import PhaseRecorder, alloc_retries
 from memstudy.meters.profile import step_profile
-from memstudy.quality import quality
+from memstudy.quality import SegmentFigures, quality
 from memstudy.runtime import MicroBatch, StepInfo
 from memstudy.techniques import micro_batches, planned_steps
 from memstudy.techniques.base import Build
@@ -278,10 +278,12 @@ def validate(build: Build, val_set, recorder: PhaseRecorder, step: int = 0) -> d
 
 def _evaluate(build: Build, val_set, float32: bool = False) -> dict[str, float]:
     """Validation figures over `val_set`; `float32`: the forward in float32 (autocast off and
-    the techniques' float32 contexts), else in the run's own precision."""
+    the techniques' float32 contexts), else in the run's own precision. Enhancement: loss,
+    SSIM, PSNR (per-image means); segmentation: loss, Dice, IoU (pixel counts of the set)."""
     model, rt, cfg = build.model, build.runtime, build.config.train
     in_device = rt.input_device or build.device
     sums: dict[str, float] = {}
+    segment = SegmentFigures(build.config.model.classes) if cfg.task == "segment" else None
     model.eval()
     try:
         for i in range(0, len(val_set), cfg.batch_size):
@@ -290,10 +292,15 @@ def _evaluate(build: Build, val_set, float32: bool = False) -> dict[str, float]:
             with rt.forward_context(), _float32_forward(rt, in_device, float32):
                 # exact tiled eval forward (train.val_tile_rows; 0 = untiled), recorded in notes
                 out, build.notes["val_tiling"] = validation_forward(model, x, cfg.val_tile_rows)
+            if segment is not None:
+                segment.add(out, y.to(out.device))
+                continue
             for k, v in quality(out, y.to(out.device), cfg.msssim_scales).items():
                 sums[k] = sums.get(k, 0.0) + v * len(x)
     finally:
         model.train()
+    if segment is not None:
+        return {f"val_{k}": v for k, v in segment.result().items()}
     return {f"val_{k}": v / len(val_set) for k, v in sums.items()}
 
 
@@ -331,6 +338,8 @@ def _epoch_line(r: dict, epochs: int) -> str:
     parts = [f"epoch {r['epoch'] + 1}/{epochs}", f"{r['time_s']:.1f} s"]
     if r.get("train_loss") is not None:
         parts.append(f"train loss {r['train_loss']:.4f}")
-    if "val_loss" in r:
+    if "val_dice" in r:
+        parts.append(f"val loss {r['val_loss']:.4f} Dice {r['val_dice']:.4f} IoU {r['val_iou']:.4f}")
+    elif "val_loss" in r:
         parts.append(f"val loss {r['val_loss']:.4f} SSIM {r['val_ssim']:.4f} PSNR {r['val_psnr']:.2f} dB")
     return " | ".join(parts)
