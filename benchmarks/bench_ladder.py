@@ -78,6 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiled-settings", default="",
                    help="native: KEY=VALUE run settings for the tiled run(s), ';'-separated "
                         "(e.g. train.loss_chunk_rows=1024); named in the run's label")
+    p.add_argument("--network", default="",
+                   help="KEY=VALUE settings of the network and task for every run (the tuned "
+                        "reference included), ';'-separated, e.g. "
+                        "'model.encoder=resnet50;train.task=segment'")
     p.add_argument("--free-sets", default="",
                    help="native: more sets run without a budget (e.g. to see what a tiled set "
                         "needs and costs unconstrained), ';'-separated")
@@ -92,7 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # -- ladder --------------------------------------------------------------------------------
 def ladder(args: argparse.Namespace, out: Path) -> int:
-    from memstudy.config import RunConfig
+    from memstudy.config import RunConfig, set_value
     from memstudy.maxres import maxres_table, search_all
     from memstudy.runner import eprint
 
@@ -106,6 +110,8 @@ def ladder(args: argparse.Namespace, out: Path) -> int:
         cfg = RunConfig(budget=budget)
         cfg.train.device = "cuda"
         cfg.train.validate = False
+        for setting in _sets(args.network):
+            set_value(cfg, setting)
         results = search_all(copy.deepcopy(cfg), sets, db,
                              fit_sizes=[int(s) for s in args.fit_sizes.split(",")],
                              max_size=args.max_size, timeout_s=args.timeout, progress=eprint,
@@ -131,11 +137,11 @@ def quality_at_found(results, budget: str, args: argparse.Namespace, out: Path) 
         if r.found_px:
             run_native(db, _with(args, size=str(r.found_px), steps=args.quality_steps),
                        f"{','.join(r.techniques)} at {r.found_px} px under {budget}",
-                       ",".join(r.techniques), budget, ())
+                       ",".join(r.techniques), budget, tuple(_sets(args.network)))
     found = max((r.found_px for r in results if r.found_px), default=None)
     if found:  # the rung's time reference: the tuned step, unconstrained, at the found size
         run_native(db, _with(args, size=str(found), steps=args.quality_steps), TUNED_LABEL,
-                   "amp:bf16", None, TUNED_SETTINGS)
+                   "amp:bf16", None, tuple(_sets(args.network)) + TUNED_SETTINGS)
     rows = native_table(db, exclude=before)
     heading = (f"Training at the found size ({args.quality_steps} steps, validated), beside the "
                f"tuned amp:bf16 step unconstrained at {found} px:")
@@ -165,20 +171,22 @@ TUNED_SETTINGS = ("train.loss_chunk_rows=0",)
 def native_runs(args: argparse.Namespace) -> list[tuple[str, str, str | None, tuple[str, ...]]]:
     """(label, techniques, budget, extra settings) of the runs: the tiled set(s) under the
     budget, the free sets, then the references amp:bf16 (time) and float32 (quality)."""
-    common = tuple(_sets(args.tiled_settings))
+    network = tuple(_sets(args.network))
+    common = network + tuple(_sets(args.tiled_settings))
     runs = []
     for entry in _sets(args.tiled_set):  # "SET" or "SET|KEY=VALUE|..." (settings of that run)
         techniques, *own = entry.split("|")
         settings = common + tuple(own)
         named = "".join(f", {t}" for t in settings)
         runs.append((f"{techniques} under {args.budget}{named}", techniques, args.budget, settings))
-    runs += [(f"{s} unconstrained", s, None, ()) for s in _sets(args.free_sets)]
+    runs += [(f"{s} unconstrained", s, None, network) for s in _sets(args.free_sets)]
     if args.no_references:
         return runs
-    runs.append((TUNED_LABEL, "amp:bf16", None, TUNED_SETTINGS))
-    runs.append(("amp:bf16 unconstrained", "amp:bf16", None, ()))
+    runs.append((TUNED_LABEL, "amp:bf16", None, network + TUNED_SETTINGS))
+    runs.append(("amp:bf16 unconstrained", "amp:bf16", None, network))
     if not args.no_float32:
-        runs.append(("float32 unconstrained, cudnn.benchmark off", "none", None, FLOAT32_SETTINGS))
+        runs.append(("float32 unconstrained, cudnn.benchmark off", "none", None,
+                     network + FLOAT32_SETTINGS))
     return runs
 
 

@@ -4,6 +4,7 @@ setting refused in one line before anything is built."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,12 @@ PAPER_DB = ROOT / "benchmarks/results/h100/paper/paper-protocol-512px.sqlite"
 PAPER_SPEC = ROOT / "benchmarks/specs/paper-protocol.toml"
 
 
+@pytest.fixture
+def paper_db(tmp_path) -> ResultsDB:
+    """A copy: opening a database may migrate it, and the committed file must stay as it was."""
+    return ResultsDB(shutil.copy(PAPER_DB, tmp_path / PAPER_DB.name))
+
+
 @pytest.mark.parametrize("name", sorted(ENCODERS))
 def test_the_encoder_table_is_smps(name):
     params = resnet_encoders[name]["params"]
@@ -39,8 +46,8 @@ def test_every_resnet_family_encoder_smp_builds_is_in_the_table():
     assert set(resnet_encoders) == set(ENCODERS)
 
 
-def test_records_written_before_the_network_section_keep_their_hashes():
-    runs = ResultsDB(PAPER_DB).runs()
+def test_records_written_before_the_network_section_keep_their_hashes(paper_db):
+    runs = paper_db.runs()
     assert len(runs) == 36
     for run in runs:
         stored = json.loads(run["config_json"])
@@ -48,16 +55,17 @@ def test_records_written_before_the_network_section_keep_their_hashes():
         assert from_dict(stored).hash() == run["config_hash"]
 
 
-def test_a_grid_over_records_written_before_the_network_section_finds_every_cell_recorded():
+def test_a_grid_over_records_written_before_the_network_section_finds_every_cell_recorded(
+        paper_db):
     """The spec's cells hash as their runs were recorded: a grid resumes with nothing to run
     (hashed here directly: its cells ask for a GPU, which the grid would check first)."""
     cells = expand(load_spec(PAPER_SPEC))
-    recorded = {run["config_hash"] for run in ResultsDB(PAPER_DB).runs()}
+    recorded = {run["config_hash"] for run in paper_db.runs()}
     assert len(cells) == 36 and {config_hash(cell.config) for cell in cells} == recorded
 
 
-def test_records_written_before_the_network_section_report():
-    text = report.build_report(ResultsDB(PAPER_DB))
+def test_records_written_before_the_network_section_report(paper_db):
+    text = report.build_report(paper_db)
     assert "amp" in text and "checkpoint" in text
 
 
