@@ -504,7 +504,8 @@ def test_gpu_grid_gives_a_dp_cell_two_gpus(tmp_path):
 
 @pytest.mark.parametrize("path, device", [("examples/quick.toml", "cpu"),
                                           ("examples/gpu.toml", "cuda"),
-                                          ("examples/gpu-full.toml", "cuda")])
+                                          ("examples/gpu-full.toml", "cuda"),
+                                          ("examples/encoders.toml", "cuda")])
 def test_shipped_grids_plan_on_the_device_they_name(path, device, monkeypatch):
     """Every cell of the example grids (the quick study's included) passes make_plan for its
     device, so a new set in them is not first refused on a GPU machine. Planned here for a
@@ -520,11 +521,31 @@ def test_shipped_grids_plan_on_the_device_they_name(path, device, monkeypatch):
     monkeypatch.setattr("memstudy.techniques.compile.triton_cuda_problem", lambda device: None)
     spec = load_spec(Path(__file__).parents[1] / path)
     assert spec.base["train"]["device"] == device
-    for techniques in spec.technique_sets:
-        for size in spec.image_sizes:
-            cfg = cell_config(spec, techniques, size, spec.batch_sizes[0], spec.seeds[0], 1)
-            make_plan(copy.deepcopy(cfg), device=torch.device(device), n_gpus=1)
-            check_measurable(cfg, cfg.data.train_images)
+    for encoder in spec.encoders:
+        for techniques in spec.technique_sets:
+            for size in spec.image_sizes:
+                cfg = cell_config(spec, techniques, size, spec.batch_sizes[0], spec.seeds[0], 1,
+                                  encoder)
+                make_plan(copy.deepcopy(cfg), device=torch.device(device), n_gpus=1)
+                check_measurable(cfg, cfg.data.train_images)
+
+
+def test_a_grid_lists_encoders_as_it_lists_technique_sets(tmp_path):
+    """Each encoder a cell of its own, under its own hash; a bad encoder name is that cell's
+    one-line reason, the others still run."""
+    from memstudy.grid.spec import expand, spec_from_dict
+
+    spec = spec_from_dict({"encoders": ["resnet18", "resnet50", "resnet35"],
+                           "techniques": ["original", "checkpoint"], "image_sizes": [192],
+                           "base": {"train": {"device": "cpu"}}})
+    cells = expand(spec)
+    assert [c.config.model.encoder for c in cells] == ["resnet18"] * 2 + ["resnet50"] * 2 + [
+        "resnet35"] * 2
+    assert len({c.hash for c in cells[:4]}) == 4
+    assert all("model.encoder = 'resnet35' is not a ResNet-family encoder" in c.error
+               for c in cells[4:])
+    with pytest.raises(ConfigError, match="grid encoders must be a list of str"):
+        spec_from_dict({"encoders": "resnet18"})
 
 
 def test_the_grid_has_the_fork_server_cache_each_data_and_size_once(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from memstudy.sizes import parse_size
 from memstudy.typecheck import check_fields
 
 SPEC_KEYS = {"name", "techniques", "product", "image_sizes", "batch_sizes", "seeds", "world_sizes",
-             "epochs", "steps", "data", "budget", "timeout_s", "base"}
+             "encoders", "epochs", "steps", "data", "budget", "timeout_s", "base"}
 KILLED = "killed"  # outcomes that leave no record: a rerun runs the cell again
 CRASHED = "crashed"
 
@@ -27,6 +27,8 @@ class GridSpec:
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     seeds: list[int] = field(default_factory=lambda: [0])
     world_sizes: list[int | None] = field(default_factory=lambda: [None])  # None: [base]'s
+    encoders: list[str | None] = field(default_factory=lambda: [None])  # model.encoder; None:
+    # [base]'s (a grid compares networks as it compares technique sets)
     epochs: int | None = None
     steps: int | None = None
     data: str | None = None  # 'synthetic' or a folder of radiographs
@@ -71,10 +73,10 @@ def spec_from_dict(raw: dict[str, Any], default_name: str = "grid") -> GridSpec:
                     epochs=raw.get("epochs"), steps=raw.get("steps"), data=raw.get("data"),
                     budget=raw.get("budget"), timeout_s=raw.get("timeout_s"),
                     base=raw.get("base", {}))
-    for key in ("image_sizes", "batch_sizes", "seeds", "world_sizes"):
+    for key in ("image_sizes", "batch_sizes", "seeds", "world_sizes", "encoders"):
         if key in raw:
             # sizes: 4188, "4188x3500" or "native", as train.image_size (memstudy/sizes.py)
-            kind = (int, str) if key == "image_sizes" else int
+            kind = {"image_sizes": (int, str), "encoders": str}.get(key, int)
             setattr(spec, key, _list(raw, key, kind))
             if not getattr(spec, key):
                 raise ConfigError(f"grid {key} is empty; list at least one value")
@@ -119,10 +121,10 @@ def expand(spec: GridSpec) -> list[Cell]:
 
     cells: list[Cell] = []
     seen: set[str] = set()
-    combos = itertools.product(spec.world_sizes, spec.technique_sets, spec.image_sizes,
-                               spec.batch_sizes, spec.seeds)
-    for world, techniques, size, batch, seed in combos:
-        cfg = cell_config(spec, techniques, size, batch, seed, world)
+    combos = itertools.product(spec.encoders, spec.world_sizes, spec.technique_sets,
+                               spec.image_sizes, spec.batch_sizes, spec.seeds)
+    for encoder, world, techniques, size, batch, seed in combos:
+        cfg = cell_config(spec, techniques, size, batch, seed, world, encoder)
         cell = Cell(index=len(cells) + 1, config=cfg)
         try:
             cell.gpus = make_plan(copy.deepcopy(cfg)).gpus_needed()
@@ -148,9 +150,11 @@ def gpus_needed(config: RunConfig) -> int:
 
 
 def cell_config(spec: GridSpec, techniques: list[str], size: int | str, batch: int, seed: int,
-                world_size: int | None = None) -> RunConfig:
+                world_size: int | None = None, encoder: str | None = None) -> RunConfig:
     cfg = from_dict(copy.deepcopy(spec.base))
     cfg.techniques = list(techniques)
+    if encoder is not None:  # an encoders entry; None keeps [base.model]'s
+        cfg.model.encoder = encoder
     if world_size is not None:  # a world_sizes entry; None keeps [base] world_size
         cfg.world_size = world_size
     cfg.train.image_size, cfg.train.batch_size = size, batch
