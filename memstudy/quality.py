@@ -50,6 +50,16 @@ def check_image_size(size, scales: int, setting: str = "train.image_size") -> No
                           f"{setting} >= {ok} on each side or fewer train.msssim_scales")
 
 
+SEGMENT_MIN_SIDE = 32  # the network's reflect padding to a multiple of 32 needs a side this long
+
+
+def min_side(train) -> int:
+    """The smallest image side train.task's loss accepts (`train` a TrainConfig): MS-SSIM's
+    minimum for enhancement, SEGMENT_MIN_SIDE for segmentation (Dice and cross-entropy have
+    no window)."""
+    return SEGMENT_MIN_SIDE if train.task == "segment" else min_image_size(train.msssim_scales)
+
+
 LOSS_CHUNK_ROWS = 256  # map rows per block of the chunked loss where no allocator cap is known
 # float32 maps of one block row alive at once while the chunked loss runs a block (the five
 # stacked inputs, their filtered maps, the SSIM terms and their gradients; an upper bound of

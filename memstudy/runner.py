@@ -33,7 +33,7 @@ from memstudy.meters.flops import model_flops_per_step, pixel_count
 from memstudy.meters.nvml import EnergyCounter
 from memstudy.meters.profile import check_diagnosis_files
 from memstudy.phases import STEP
-from memstudy.quality import min_image_size
+from memstudy.quality import min_side
 from memstudy.store import ResultsDB, RunRecord
 from memstudy.techniques import canonical, declaring, resolve_run_settings
 from memstudy.techniques.compose import build_pipeline, make_plan, prepare_process
@@ -70,8 +70,8 @@ def execute(config: RunConfig, db: ResultsDB | None,
     plan.device = rank_device(plan.device)  # distributed: each rank trains on its own GPU
     resolved(config)
     train_set, val_set = build_datasets(  # raises on bad data and refused sizes
-        config.data, config.train.image_size, config.train.batch_size,
-        min_image_size(config.train.msssim_scales))
+        config.data, config.train.image_size, config.train.batch_size, min_side(config.train),
+        task=config.train.task, classes=config.model.classes)
     check_measurable(config, len(train_set))  # raises ConfigError: nothing recorded
     device = plan.device
     # before anything touches the GPU: the CUDA context is measured as it is created

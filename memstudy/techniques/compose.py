@@ -30,7 +30,7 @@ from memstudy.config import RunConfig
 from memstudy.errors import ConfigError
 from memstudy.models import build_model, check_factory
 from memstudy.models.unet import upsampled_elements
-from memstudy.quality import MSSSIMLoss, check_image_size
+from memstudy.quality import ObservedLoss, check_image_size, make_loss
 from memstudy.runtime import Runtime
 from memstudy.sizes import size_hw
 from memstudy.techniques import (get_technique, list_techniques, parse_techniques,
@@ -62,7 +62,8 @@ def make_plan(config: RunConfig, *, device: torch.device | None = None,
     CPU); by default they are this process's train.device and its visible GPUs."""
     check_config(config)
     policy.check_settings(config.train)  # the training-policy settings (memstudy/policy.py)
-    check_image_size(config.train.image_size, config.train.msssim_scales)
+    if config.train.task == "enhance":  # MS-SSIM's smallest side; segmentation has no window
+        check_image_size(config.train.image_size, config.train.msssim_scales)
     device = resolve_device(config.train.device) if device is None else device
     if n_gpus is None:
         n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
@@ -235,7 +236,7 @@ def build_pipeline(plan: Plan) -> Build:
     reset_global_numerics()
     apply_tuning(config)
     observers: list = []  # the loss tells them when it runs (the recorder's loss meter)
-    loss = MSSSIMLoss(config.train.msssim_scales, config.train.loss_chunk_rows, observers)
+    loss = make_loss(config, observers)  # train.task's loss (quality.make_loss)
     runtime = Runtime(device=plan.device, batch_size=config.train.batch_size, loss_fn=loss,
                       optimizer_factory=default_optimizer(config), loss_observers=observers)
     runtime.series_sources.append(lambda: _loss_rows(loss, runtime.rank))
@@ -257,7 +258,7 @@ def build_pipeline(plan: Plan) -> Build:
     return build
 
 
-def _loss_rows(loss: MSSSIMLoss, rank: int) -> list[tuple[int, int, str, float]]:
+def _loss_rows(loss: ObservedLoss, rank: int) -> list[tuple[int, int, str, float]]:
     """The chunked loss's block heights over the run (series step 0; 0 = unchunked): with
     train.loss_chunk_rows = auto they follow the memory left, so the run says what they were."""
     if not loss.rows_used:
