@@ -1,7 +1,9 @@
 """`memstudy advise`: which technique sets should train a size under a budget, from what was
 measured, before anything runs.
 
-For each technique set recorded on the chosen GPU (single device, the requested batch size),
+For each experiment recorded on the chosen GPU (single device, the requested batch size): the
+runs of one technique set that agree on every measured setting but the image size and the
+budget (memstudy.report.experiments; the budget is what advise reasons about, see below),
 each training phase's absolute peak (report.decide: allocator + CUDA context, estimated from
 the GPU's budgeted runs where a run did not measure it) is fitted as a + b * pixels by least
 squares over the set's finished runs, as `memstudy maxres` fits it (maxres.fit_line), and so is
@@ -35,7 +37,7 @@ from memstudy.report.decide import candidates, contexts, missing_context, qualit
 from memstudy.sizes import parse_size, size_hw, size_label
 from memstudy.store import ResultsDB
 from memstudy.techniques import canonical
-from memstudy.report.tables import technique_set
+from memstudy.report.experiments import experiment, label_experiments, technique_set
 from memstudy.text_table import format_table
 
 CONFIRM_LABEL = "advise confirm"
@@ -51,6 +53,8 @@ class Prediction:
     fit_error: float | None  # largest relative residual of the peak fit at its own sizes
     fits: bool
     why_not: str | None = None  # a recorded run that overrules the fit
+    quality_under: str = ""  # the settings of the runs quality_cost compared, where not its own
+    differs: str = ""  # what sets it apart from the set's other experiments (experiments.split)
     val_loss_delta: float | None = None
     quality_at: Any = None
     template: dict[str, Any] = field(default_factory=dict)  # config of the set's largest run
@@ -111,21 +115,36 @@ def predict_all(db, budget: str, size, batch_size: int = 1, gpu: str | None = No
         raise ConfigError(f"no single-device runs at batch size {batch_size} on {device}; "
                           "record some or change --batch-size")
     cands = [c for c in candidates(db) if c["device"] == device]
-    by_set: dict[str, list[dict]] = defaultdict(list)
-    for run in mine:
-        by_set[run["name"]].append(run)
     predictions, skipped = [], []
-    for name, set_runs in sorted(by_set.items()):
+    for runs_of, differs in experiments_of(mine):
+        name = runs_of[0]["name"]
         try:
-            p = predict_set(name, set_runs, pixels, size, limit, context_by_gpu.get(device, 0.0))
+            p = predict_set(name, runs_of, pixels, size, limit, context_by_gpu.get(device, 0.0))
         except NoFit as exc:
-            skipped.append((name, str(exc)))
+            skipped.append((name + (f" ({differs})" if differs else ""), str(exc)))
             continue
-        p.val_loss_delta, _std, p.quality_at = quality_cost(cands, name, device, size)
+        p.differs = differs
+        like = {"name": name, "device": device, "batch_size": batch_size, "run": runs_of[-1]}
+        p.val_loss_delta, _std, p.quality_at, p.quality_under = quality_cost(cands, like, size)
         predictions.append(p)
     predictions.sort(key=lambda p: (not p.fits, p.step_time_s if p.fits and p.step_time_s
                                     is not None else math.inf, p.peak_bytes))
     return device, predictions, skipped
+
+
+ACROSS = ("train.image_size", "budget")  # what one fit spans (experiments.experiment)
+
+
+def experiments_of(runs: list[dict]) -> list[tuple[list[dict], str]]:
+    """The runs by experiment across sizes and budgets, each with what sets it apart from the
+    same set's other experiments; by set name."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for run in runs:
+        groups[experiment(run, ACROSS)].append(run)
+    differs, _same = label_experiments({k: g[0] for k, g in groups.items()}, technique_set,
+                                       ACROSS)
+    return sorted(((g, differs[k]) for k, g in groups.items()),
+                  key=lambda item: (item[0][0]["name"], item[1]))
 
 
 class NoFit(Exception):
@@ -242,26 +261,31 @@ def refuse_if_none_fits(device: str, size, budget: str, preds: list[Prediction])
     closest = min(preds, key=lambda p: (p.why_not is not None, p.peak_bytes))
     why = f" ({closest.why_not})" if closest.why_not else ""
     raise ConfigError(f"no technique set is predicted to fit {size_label(parse_size(size))} px "
-                      f"under {budget} on {device}: the closest is {closest.name}, predicted "
+                      f"under {budget} on {device}: the closest is {closest.name}"
+                      f"{f' ({closest.differs})' if closest.differs else ''}, predicted "
                       f"peak {mb(closest.peak_bytes):.0f} MB{why}; it would need "
                       f"{needs(closest, h * w, limit)}")
 
 
 def table(preds: list[Prediction], limit: int) -> str:
+    differs = any(p.differs for p in preds)  # a set with several experiments: name each
     rows = [[rank + 1 if p.fits else "-", p.name, f"{mb(p.peak_bytes):.0f}",
              f"{p.peak_bytes / limit:.0%}", p.step_time_s, _delta(p), p.confidence,
              f"{p.fit_error:.0%}" if p.fit_error is not None else "-", p.phase,
              "yes" if p.fits else f"no{': ' + p.why_not if p.why_not else ''}"]
+            + ([p.differs or "-"] if differs else [])
             for rank, p in enumerate(preds)]
     return format_table(["rank", "techniques", "peak MB", "of budget", "step s",
                          "val loss - original", "confidence", "fit error", "binding phase",
-                         "fits"], rows)
+                         "fits"] + (["settings that differ"] if differs else []), rows)
 
 
 def _delta(p: Prediction) -> str:
     if p.val_loss_delta is None:
         return "-"
-    return f"{p.val_loss_delta:+.4f}" + (f" (at {p.quality_at} px)" if p.quality_at else "")
+    where = ", ".join(filter(None, (f"at {p.quality_at} px" if p.quality_at else "",
+                                    f"from runs with {p.quality_under}" if p.quality_under else "")))
+    return f"{p.val_loss_delta:+.4f}" + (f" ({where})" if where else "")
 
 
 def store(db_path: str | Path, device: str, size, budget: str, batch_size: int,

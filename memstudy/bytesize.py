@@ -28,3 +28,16 @@ def parse_bytes(text: ByteSize, what: str = "size") -> int:
 
 def mb(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / MB
+
+
+_BINARY = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", MB), ("KiB", 1024))
+
+
+def size_text(nbytes: int | float) -> str:
+    """A byte count in the largest binary unit it fills, as a user would write it:
+    400 MiB -> '400MiB' (not '0.390625GiB'), 1024 -> '1KiB', 1e9 -> '953.7MiB', 10 -> '10B'."""
+    for unit, scale in _BINARY:
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:g}{unit}" if value == int(value) else f"{value:.4g}{unit}"
+    return f"{int(nbytes)}B"

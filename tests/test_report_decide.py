@@ -144,3 +144,11 @@ def test_decision_in_every_format(db, tmp_path, fmt):
     text = out.read_text()
     assert "1GiB" in text and "(none fits)" in text and "checkpoint" in text
     assert ("saved activations" in text) and ("Forward abs" in text or fmt == "csv" and "Forward abs MB" in text)
+
+
+def test_budgets_read_as_the_user_wrote_them(db):
+    """--budget 400MiB is shown so, not as 0.390625GiB; budgets from the runs in round units."""
+    text = report.build_report(db, "term", budget="400MiB")
+    assert "400MiB" in text and "0.390625" not in text
+    assert {r["budget"] for r in report.decisions(db, [3 * 2**29, "1.5 GiB"])} == {"1.5 GiB"}
+    assert {r["budget"] for r in report.decisions(db, [400 * MB])} == {"400MiB"}

@@ -76,7 +76,7 @@ def build_report(db, fmt: str = "term", budget: str | None = None,
         raise ValueError(f"report format {fmt!r} unknown; choose one of {FORMATS}")
     db = open_db(db)
     # the decision first: what a reader came for; then the study's tables behind it
-    tables = {"decisions": decisions(db, budgets_found(db, [budget] if budget else []))}
+    tables = {"decisions": decisions(db, budgets_found(db) + ([budget] if budget else []))}
     tables.update({name: fn(db) for name, fn in TABLES.items()})
     tables.update({name: fn(db) for name, fn in decide.TABLES.items() if name != "decisions"})
     costs = cost(db, cost_weights or cost_section.DEFAULT_WEIGHTS)

@@ -26,6 +26,7 @@ from typing import Any
 from memstudy.bytesize import mb
 from memstudy.errors import ConfigError
 from memstudy.report.data import device_of, did_not_train, load_runs
+from memstudy.report.experiments import experiment
 from memstudy.sizes import size_sort_key
 
 Rows = list[dict[str, Any]]
@@ -105,7 +106,9 @@ def accumulation(db) -> Rows:
                "run": r["id"], "accumulates": k > 1}
         row["px_s_per_mb"] = (row["throughput_px_s"] / row["peak_mb"]
                               if row["throughput_px_s"] and row["peak_mb"] else None)
-        groups[(others, r["image_size"], row["device"], row["effective_batch"])].append(row)
+        # k is compared within one experiment but for the micro-batch (report.experiments)
+        same = experiment(r, ("train.batch_size",))[1:]
+        groups[(others, r["image_size"], row["effective_batch"], same)].append(row)
     out = []
     for group in groups.values():
         if not any(r["accumulates"] for r in group):

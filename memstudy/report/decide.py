@@ -1,8 +1,9 @@
 """The report's decision section: which technique set to use for a size and a memory budget.
 
 From every recorded run (maxres probes included: they are real runs under a budget) it builds
-one *candidate* per protocol: the runs of one configuration that differ only in their seed
-(and label). A candidate carries the mean and spread over its seeds (mean, std, n) of the step
+one *candidate* per experiment (memstudy.report.experiments): the runs of one configuration
+that differ only in their seed (and label); `differs` names what sets a candidate apart from
+others of its set, size and device. A candidate carries the mean and spread over its seeds (mean, std, n) of the step
 time and the final validation loss, and the largest absolute peak over its seeds: what a budget
 caps, so the worst seed decides whether a set fits. A seed that did not train (memstudy.trained)
 keeps its memory and time but gives no validation loss; a candidate none of whose finished
@@ -24,15 +25,16 @@ Torch-free, like the rest of memstudy.report.
 """
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from statistics import median
 from typing import Any
 
-from memstudy.bytesize import mb, parse_bytes
+from memstudy.bytesize import mb, parse_bytes, size_text
 from memstudy.report.data import (TRAIN_PHASES, device_of, did_not_train, gpu_shared,
                                   load_maxres, load_runs, open_db, phase_peak, step_time)
-from memstudy.report.tables import spread
+from memstudy.report.experiments import (comparison, describe, experiment, label_experiments,
+                                         settings, split)
+from memstudy.report.tables import DIFFERS, spread
 from memstudy.sizes import size_hw, size_sort_key
 from memstudy.store import NOT_TRAINED, describe_outcome
 
@@ -42,16 +44,6 @@ BASELINE = "original"
 CATEGORIES = (("cat_params_bytes", "parameters"), ("cat_grads_bytes", "gradients"),
               ("cat_optimizer_bytes", "optimizer state"), ("cat_saved_bytes", "saved activations"),
               ("cat_loss_saved_bytes", "saved by the loss"), ("cat_other_bytes", "other"))
-
-
-def _protocol(run: dict[str, Any]) -> str:
-    """The run's configuration without its seed and label: runs sharing it are seeds of one
-    protocol."""
-    config = json.loads(json.dumps(run["config"]))
-    config.pop("label", None)
-    for table in ("train", "data"):
-        config.get(table, {}).pop("seed", None)
-    return json.dumps(config, sort_keys=True)
 
 
 def contexts(runs: Rows) -> dict[str, float]:
@@ -79,13 +71,15 @@ def absolute_peak(run: dict[str, Any], context_by_gpu: dict[str, float]) -> tupl
 
 
 def candidates(db) -> Rows:
-    """One row per protocol (see the module docstring) with at least one run."""
+    """One row per experiment (see the module docstring) with at least one run."""
     runs = load_runs(db, probes=True)
     context_by_gpu = contexts(runs)
-    groups: dict[str, Rows] = defaultdict(list)
+    groups: dict[tuple, Rows] = defaultdict(list)
     for run in runs:
-        groups[_protocol(run)].append(run)
-    return [_candidate(group, context_by_gpu) for group in groups.values()]
+        groups[experiment(run)].append(run)
+    differs, same = label_experiments({k: g[0] for k, g in groups.items()})
+    return [_candidate(g, context_by_gpu) | {"differs": differs[k], "comparison": same[k]}
+            for k, g in groups.items()]
 
 
 def _candidate(runs: Rows, context_by_gpu: dict[str, float]) -> dict[str, Any]:
@@ -109,7 +103,7 @@ def _candidate(runs: Rows, context_by_gpu: dict[str, float]) -> dict[str, Any]:
             "step_time_s": step[0], "step_time_s_std": step[1], "step_n": step[2],
             "val_loss": val[0], "val_loss_std": val[1], "val_n": val[2],
             "epochs": max(((r["last_epoch"] or {}).get("epoch", -1) + 1 for r in ok), default=0),
-            "config": first["config"], "pixels": _pixels(first["image_size"])}
+            "config": first["config"], "run": first, "pixels": _pixels(first["image_size"])}
 
 
 def _pixels(size) -> int | None:
@@ -128,35 +122,54 @@ def budgets_found(db, extra: list[str] = ()) -> list[int]:
     return sorted(found)
 
 
-def quality_cost(cands: Rows, name: str, device: str, size) -> tuple[float | None, float | None, Any]:
-    """(val loss of `name` minus original's, its std, the size compared at): at `size` when both
-    were validated there, else at the largest size where both were."""
-    def validated(set_name: str) -> dict:
-        return {c["image_size"]: c for c in cands if c["name"] == set_name
-                and c["device"] == device and c["val_loss"] is not None}
+def quality_cost(cands: Rows, like: dict[str, Any], size) -> tuple[float | None, float | None, Any, str]:
+    """(val loss of `like`'s set minus original's, its std, the size compared at, the settings
+    compared under where they are not `like`'s own): at `size` when both were validated there,
+    else at the largest size where both were. The pair is one experiment apart from its set:
+    among validated candidates of `like`'s device and batch, the set and original must agree on
+    every setting that splits some set's rows (experiments.split), preferably with `like`'s
+    values of them (a maxres probe is never validated: its set's validated runs stand in)."""
+    validated = [c for c in cands if c["device"] == like["device"] and c["val_loss"] is not None
+                 and c["batch_size"] == like["batch_size"]]
+    _shown, keys = split({i: c["run"] for i, c in enumerate(validated)})
 
-    ours, base = validated(name), validated(BASELINE)
-    common = sorted(set(ours) & set(base), key=size_sort_key)
+    def by_label(set_name: str) -> dict[str, dict]:
+        out: dict[str, dict] = defaultdict(dict)
+        for c in validated:
+            if c["name"] == set_name:
+                out[comparison(c["run"], keys)][c["image_size"]] = c
+        return out
+
+    ours, base = by_label(like["name"]), by_label(BASELINE)
+    own = comparison(like["run"], keys)
+    labels = [own] if own in ours and own in base else sorted(set(ours) & set(base))
+    if len(labels) != 1:  # none, or several settings and none of them like's: no one answer
+        return None, None, None, ""
+    label = labels[0]
+    common = sorted(set(ours[label]) & set(base[label]), key=size_sort_key)
     if not common:
-        return None, None, None
+        return None, None, None, ""
     at = size if size in common else common[-1]
-    a, b = ours[at], base[at]
+    a, b = ours[label][at], base[label][at]
     stds = [s for s in (a["val_loss_std"], b["val_loss_std"]) if s is not None]
-    return a["val_loss"] - b["val_loss"], (sum(s * s for s in stds) ** 0.5 if stds else None), at
+    theirs, mine = settings(a["run"]), settings(like["run"])  # name only where they differ
+    under = describe(theirs, {k for k in keys if theirs.get(k) != mine.get(k)})
+    return (a["val_loss"] - b["val_loss"], (sum(s * s for s in stds) ** 0.5 if stds else None),
+            at, under)
 
 
-def decisions(db, budgets: list[int] | None = None) -> Rows:
+def decisions(db, budgets: list[int | str] | None = None) -> Rows:
     """Per device, budget and size: the fastest ok candidate whose absolute peak fits, its
-    step time over original's at that size (the fastest ok original there, any memory) and its
-    quality cost (quality_cost). A size where nothing fits names the smallest peak seen."""
+    step time over original's at that size (the fastest ok original there with the same
+    settings as it, any memory; experiments.comparison) and its quality cost (quality_cost).
+    A size where nothing fits names the smallest peak seen. Budgets are bytes or text as the
+    user wrote it ('400MiB'), shown so (bytes in round units: bytesize.size_text)."""
     cands = [c for c in candidates(db) if c["world_size"] == 1]
-    budgets = budgets if budgets is not None else budgets_found(db)
+    budgets = written(budgets if budgets is not None else budgets_found(db))
     rows = []
     for (device, size), group in _by(cands, "device", "image_size").items():
         measured = [c for c in group if c["ok"] and c["peak_bytes"] is not None and c["step_time_s"]]
         ok = [c for c in measured if works(c)]
-        base = min((c for c in ok if c["name"] == BASELINE), key=lambda c: c["step_time_s"],
-                   default=None)
         if not ok:
             continue  # only failed (or never trained) runs at this size: nothing to decide between
         dead = [c for c in measured if not works(c)]
@@ -164,7 +177,7 @@ def decisions(db, budgets: list[int] | None = None) -> Rows:
         untimed = [c for c in group if works(c) and c["peak_bytes"] is not None
                    and not c["step_time_s"] and c["shared"]]
         for budget in budgets:
-            rows.append(_decision(cands, ok, base, device, size, budget, dead, untimed))
+            rows.append(_decision(cands, ok, size, budget, dead, untimed))
     return sorted(rows, key=lambda r: (r["device"], r["budget_bytes"], size_sort_key(r["image_size"])))
 
 
@@ -174,14 +187,15 @@ def works(cand: dict[str, Any]) -> bool:
     return cand["ok"] > cand["not_trained"]
 
 
-def _decision(cands, ok, base, device, size, budget, dead=(), untimed=()) -> dict[str, Any]:
+def _decision(cands, ok, size, written_budget, dead=(), untimed=()) -> dict[str, Any]:
+    budget, text = written_budget
     fitting = [c for c in ok if c["peak_bytes"] <= budget]
     left_out = sorted({c["name"] for c in dead if c["peak_bytes"] <= budget})
     no_time = sorted({c["name"] for c in untimed if c["peak_bytes"] <= budget})
     left_out_note = "; ".join(filter(None, (
         f"not ranked, {NOT_TRAINED}: {', '.join(left_out)}" if left_out else "",
         f"not ranked, timed only on a shared GPU: {', '.join(no_time)}" if no_time else "")))
-    row = {"device": device, "budget_bytes": budget, "budget": _gib(budget), "image_size": size,
+    row = {"device": ok[0]["device"], "budget_bytes": budget, "budget": text, "image_size": size,
            "fits": f"{len({c['name'] for c in fitting})}/{len({c['name'] for c in ok})}"}
     if not fitting:
         closest = min(ok, key=lambda c: c["peak_bytes"])
@@ -189,22 +203,27 @@ def _decision(cands, ok, base, device, size, budget, dead=(), untimed=()) -> dic
             f"smallest peak {mb(closest['peak_bytes']):.0f} MB: {closest['name']}", left_out_note))))
         return row
     best = min(fitting, key=lambda c: (c["step_time_s"], c["peak_bytes"]))
-    delta, delta_std, at = quality_cost(cands, best["name"], device, size)
-    row.update(name=best["name"], peak_mb=mb(best["peak_bytes"]),
+    base = min((c for c in ok if c["name"] == BASELINE and c["comparison"] == best["comparison"]),
+               key=lambda c: c["step_time_s"], default=None)
+    delta, delta_std, at, under = quality_cost(cands, best, size)
+    row.update(name=best["name"], differs=best["differs"], peak_mb=mb(best["peak_bytes"]),
                step_time_s=best["step_time_s"], step_time_s_std=best["step_time_s_std"],
                runs=best["ok"], val_loss_delta=delta, val_loss_delta_std=delta_std,
-               note="; ".join(filter(None, (_note(best, base, at, size), left_out_note))))
+               note="; ".join(filter(None, (_note(best, base, at, size, under), left_out_note))))
     if base is not None:
         row["time_vs_original"] = best["step_time_s"] / base["step_time_s"]
     return row
 
 
-def _note(best, base, quality_at, size) -> str:
+def _note(best, base, quality_at, size, quality_under: str = "") -> str:
     notes = []
     if base is None:
-        notes.append("original not measured ok at this size")
+        same = " with the same settings" if best["comparison"] else ""
+        notes.append(f"original not measured ok at this size{same}")
     if quality_at is not None and quality_at != size:
         notes.append(f"quality at {quality_at} px")
+    if quality_under:
+        notes.append(f"quality from runs with {quality_under}")
     if best["not_trained"]:
         notes.append(f"{best['not_trained']} of {best['ok']} seeds {NOT_TRAINED} (quality "
                      "from the others)")
@@ -216,8 +235,14 @@ def _note(best, base, quality_at, size) -> str:
     return "; ".join(notes)
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 1024**3:g}GiB" if nbytes % (1024**2) == 0 else str(nbytes)
+def written(budgets: list[int | str]) -> list[tuple[int, str]]:
+    """(bytes, text) per budget, one per size: the text a user wrote wins over bytes."""
+    out: dict[int, str] = {}
+    for b in budgets:
+        nbytes = parse_bytes(b, "budget")
+        if isinstance(b, str) or nbytes not in out:
+            out[nbytes] = b.strip() if isinstance(b, str) else size_text(nbytes)
+    return sorted(out.items())
 
 
 def _by(rows: Rows, *keys: str) -> dict[tuple, Rows]:
@@ -242,7 +267,7 @@ def pareto(db) -> Rows:
                             for o in ok)
             rows.append({k: c[k] for k in ("name", "image_size", "batch_size", "device",
                                            "step_time_s", "step_time_s_std", "val_loss",
-                                           "val_loss_std", "budget", "label")}
+                                           "val_loss_std", "budget", "label", "differs")}
                         | {"peak_mb": mb(c["peak_bytes"]), "runs": c["ok"],
                            "pareto": "" if dominated else "*"})
     return sorted(rows, key=lambda r: (r["device"], size_sort_key(r["image_size"]),
@@ -250,26 +275,27 @@ def pareto(db) -> Rows:
 
 
 def _phase_groups(db) -> dict[tuple, Rows]:
-    """Finished single-device runs (maxres probes left out) by protocol: seeds together."""
-    groups: dict[str, Rows] = defaultdict(list)
+    """Finished single-device runs (maxres probes left out) by experiment: seeds together."""
+    groups: dict[tuple, Rows] = defaultdict(list)
     for run in load_runs(db):
         if run["status"] == "ok" and run["world_size"] == 1:
-            groups[_protocol(run)].append(run)
+            groups[experiment(run)].append(run)
+    differs, _same = label_experiments({k: g[0] for k, g in groups.items()})
     return {(r[0]["name"], r[0]["image_size"], r[0]["batch_size"], device_of(r[0]),
-             r[0]["label"] or "-"): r for r in groups.values()}
+             r[0]["label"] or "-", differs[k]): r for k, r in groups.items()}
 
 
 def phase_categories(db) -> Rows:
     """Per set, size and phase: MB held at the phase end in each category (mean over the
     group's runs; docs/metrics.md), their sum, and the phase's absolute peak beside them."""
     rows = []
-    for (name, size, batch, device, label), runs in _phase_groups(db).items():
+    for (name, size, batch, device, label, differs), runs in _phase_groups(db).items():
         for phase in TRAIN_PHASES:
             cats = [r["metrics"].get(phase, {}) for r in runs]
             if not any("cat_params_bytes" in m for m in cats):
                 continue
             row = {"name": name, "image_size": size, "batch_size": batch, "device": device,
-                   "label": label, "phase": phase, "runs": len(runs)}
+                   "label": label, "differs": differs, "phase": phase, "runs": len(runs)}
             for key, _label in CATEGORIES:
                 row[key] = mb(spread([m.get(key) for m in cats])[0])
             row["held_mb"] = sum(row[k] or 0.0 for k, _l in CATEGORIES)
@@ -282,9 +308,9 @@ def phase_peaks(db) -> Rows:
     """Per set and size: each phase's increment above its start (the study's figure) beside
     its absolute peak (what a budget caps), mean over seeds with their spread."""
     rows = []
-    for (name, size, batch, device, label), runs in _phase_groups(db).items():
+    for (name, size, batch, device, label, differs), runs in _phase_groups(db).items():
         row = {"name": name, "image_size": size, "batch_size": batch, "device": device,
-               "label": label, "runs": len(runs)}
+               "label": label, "differs": differs, "runs": len(runs)}
         for phase in TRAIN_PHASES:
             inc = spread([mb(phase_peak(r["metrics"].get(phase, {}))) for r in runs])
             absolute = spread([mb(r["peaks"].get(phase)) for r in runs])
@@ -297,7 +323,7 @@ def phase_peaks(db) -> Rows:
 def _row_order(row: dict[str, Any]) -> tuple:
     phase = TRAIN_PHASES.index(row["phase"]) if "phase" in row else 0
     return (row["device"], size_sort_key(row["image_size"]), row["name"] != BASELINE,
-            row["name"], row.get("label", ""), phase)
+            row["name"], row.get("label", ""), row.get("differs", ""), phase)
 
 
 COLUMNS = {
@@ -305,18 +331,21 @@ COLUMNS = {
                   ("name", "best techniques"), ("peak_mb", "peak MB"),
                   ("step_time_s", "step s"), ("time_vs_original", "time x original"),
                   ("val_loss_delta", "val loss - original"), ("fits", "sets fitting"),
-                  ("runs", "n"), ("note", "note")],
+                  ("runs", "n"), ("note", "note"), ("differs", DIFFERS)],
     "pareto": [("device", "device"), ("image_size", "px"), ("name", "techniques"),
                ("peak_mb", "peak MB"), ("step_time_s", "step s"), ("val_loss", "val loss"),
-               ("runs", "n"), ("budget", "run budget"), ("label", "label"), ("pareto", "Pareto")],
+               ("runs", "n"), ("budget", "run budget"), ("label", "label"), ("pareto", "Pareto"),
+               ("differs", DIFFERS)],
     "phase_categories": [("name", "techniques"), ("image_size", "px"), ("device", "device"),
                          ("label", "label"), ("phase", "phase")]
                         + [(k, f"{label} MB") for k, label in CATEGORIES]
-                        + [("held_mb", "held MB"), ("peak_abs_mb", "peak abs MB"), ("runs", "n")],
+                        + [("held_mb", "held MB"), ("peak_abs_mb", "peak abs MB"), ("runs", "n"),
+                           ("differs", DIFFERS)],
     "phase_peaks": [("name", "techniques"), ("image_size", "px"), ("batch_size", "batch"),
                     ("device", "device"), ("label", "label")]
                    + [(f"{p}_{kind}_mb", f"{p.capitalize()} {label} MB") for p in TRAIN_PHASES
-                      for kind, label in (("inc", "+"), ("abs", "abs"))] + [("runs", "n")],
+                      for kind, label in (("inc", "+"), ("abs", "abs"))]
+                   + [("runs", "n"), ("differs", DIFFERS)],
 }
 TITLES = {
     "decisions": "Best technique set per budget and size: the fastest finished set whose "

@@ -84,7 +84,8 @@ def resolution_chart(rows: Rows, budget_mb: float | None) -> go.Figure | None:
     series: dict[tuple, Rows] = defaultdict(list)
     for r in rows:
         if size_hw(r["image_size"]) is not None:
-            series[(r["name"], r["device"])].append(r)
+            series[(r["name"] + (f" [{r['differs']}]" if r.get("differs") else ""),
+                    r["device"])].append(r)
     if not series:
         return None
     native = len(rows) - sum(len(g) for g in series.values())

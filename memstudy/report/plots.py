@@ -78,7 +78,7 @@ def resolution_chart(rows: Rows, budget_mb: float | None = None):
     lines: dict[tuple[str, str], list] = defaultdict(list)
     placed = [r for r in rows if axis_px(r["image_size"]) is not None]
     for r in placed:
-        lines[(r["name"], r["device"])].append(r)
+        lines[(r["name"] + (f" [{r['differs']}]" if r.get("differs") else ""), r["device"])].append(r)
     top = max([r["peak_mb"] or 0 for r in placed] + [budget_mb or 0]) or 1
     for (name, device), runs in sorted(lines.items()):
         ok = sorted({r["image_size"]: r for r in runs if r["status"] == "ok" and r["peak_mb"]}.values(),

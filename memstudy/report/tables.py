@@ -1,7 +1,9 @@
 """The study's tables as lists of dict rows (pandas-free), computed from a results database.
 
-Runs are grouped by (technique set, image size, batch size, device); repeated runs of a group
-(seeds) are averaged over the runs that finished ok, and `runs` says how many there were.
+A row is one experiment (memstudy.report.experiments): runs of one technique set, size,
+batch and device that agree on every measured setting; repeated runs of it (seeds) are averaged
+over the runs that finished ok, and `runs` says how many there were. Rows that share a set,
+size, batch and device name what sets them apart in `differs`.
 Memory is in MB (MiB, as torch and nvidia-smi count): a phase's peak above the memory held
 when the phase began (allocator on CUDA, tensor meter on the CPU; docs/report.md).
 """
@@ -12,22 +14,17 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
 
-from memstudy.report.data import (TRAIN_PHASES, device_of, did_not_train, epoch_time, load_maxres,
-                                  load_runs, phase_peak, step_time)
+from memstudy.report.data import (PROBE_LABEL, TRAIN_PHASES, device_of, did_not_train, epoch_time,
+                                  load_maxres, load_runs, phase_peak, step_time)
+from memstudy.report.experiments import experiment, label_experiments, technique_set
 from memstudy.sizes import size_sort_key
 from memstudy.store import NOT_TRAINED, ResultsDB, describe_outcome
 from memstudy.bytesize import mb
 
 BASELINE = "original"
+ACROSS_SIZES = ("train.image_size",)
 Rows = list[dict[str, Any]]
 DB = str | Path | ResultsDB
-
-
-def technique_set(run: dict[str, Any]) -> tuple[str, ...]:
-    """The technique set a run was hashed with: its stored config's canonical techniques (the
-    same set typed in another order or spelling is one set), else the name as typed."""
-    config = run.get("config") or {}
-    return tuple(config["techniques"]) if "techniques" in config else (run["name"],)
 
 
 def spellings(runs: Rows) -> dict[str, list[str]]:
@@ -42,13 +39,16 @@ def spellings(runs: Rows) -> dict[str, list[str]]:
 
 
 def _groups(runs: Rows) -> dict[tuple, Rows]:
-    """Runs by (technique set, size, batch, device); a set is shown once, by its first spelling."""
+    """Runs by experiment, keyed (name, size, batch, device, differs, comparison); a set is
+    shown once, by its first spelling."""
     shown: dict[tuple, str] = {}
     groups: dict[tuple, Rows] = defaultdict(list)
     for run in runs:
-        name = shown.setdefault(technique_set(run), run["name"])
-        groups[(name, run["image_size"], run["batch_size"], device_of(run))].append(run)
-    return groups
+        shown.setdefault(technique_set(run), run["name"])
+        groups[experiment(run)].append(run)
+    differs, comparison = label_experiments({k: g[0] for k, g in groups.items()})
+    return {(shown[technique_set(g[0])], g[0]["image_size"], g[0]["batch_size"],
+             device_of(g[0]), differs[k], comparison[k]): g for k, g in groups.items()}
 
 
 def _avg(values: list[float | None]) -> float | None:
@@ -87,12 +87,13 @@ def _key(row: dict[str, Any]) -> tuple:
 def phase_memory(db: DB, image_size: int | None = None) -> Rows:
     """Tables 2/4/6: forward / backward / step peak MB, peak total MB, time per step and epoch."""
     rows = []
-    for (name, size, batch, device), runs in _groups(load_runs(db)).items():
+    for (name, size, batch, device, differs, same), runs in _groups(load_runs(db)).items():
         if image_size is not None and size != image_size:
             continue
         ok = [r for r in runs if r["status"] == "ok"] or runs
         row = {"name": name, "image_size": size, "batch_size": batch, "device": device,
-               "status": _status(runs), "runs": len(runs)}
+               "differs": differs, "comparison": same, "status": _status(runs),
+               "runs": len(runs)}
         for phase in TRAIN_PHASES:
             row[f"{phase}_mb"] = mb(_avg([phase_peak(r["metrics"].get(phase, {})) for r in ok]))
         row["peak_total_mb"] = mb(_avg([max(r["peaks"].values(), default=None) for r in ok]))
@@ -109,7 +110,7 @@ def losses(db: DB, image_size: int | None = None) -> Rows:
     in: their loss is the clamp's, not the technique set's; a group of only such runs shows
     no loss."""
     rows = []
-    for (name, size, batch, device), runs in _groups(load_runs(db)).items():
+    for (name, size, batch, device, differs, _same), runs in _groups(load_runs(db)).items():
         # runs without validation (memory grids) have no place in a loss table
         done = [r for r in runs if r["status"] == "ok" and r["last_epoch"]
                 and r["last_epoch"].get("val_loss") is not None]
@@ -117,7 +118,7 @@ def losses(db: DB, image_size: int | None = None) -> Rows:
             continue
         last = [r["last_epoch"] for r in done if not did_not_train(r)]
         rows.append({"name": name, "image_size": size, "batch_size": batch, "device": device,
-                     "epochs": max(r["last_epoch"]["epoch"] for r in done) + 1,
+                     "differs": differs, "epochs": max(r["last_epoch"]["epoch"] for r in done) + 1,
                      **_spread_of("train_loss", [e["train_loss"] for e in last]),
                      **_spread_of("val_loss", [e["val_loss"] for e in last]),
                      "val_ssim": _avg([e["val_ssim"] for e in last]),
@@ -127,16 +128,18 @@ def losses(db: DB, image_size: int | None = None) -> Rows:
 
 
 def memory_ratios(db: DB, baseline: str = BASELINE) -> Rows:
-    """Fig. 2: each phase's peak MB divided by the baseline's at the same size, batch, device."""
+    """Fig. 2: each phase's peak MB divided by the baseline's at the same size, batch, device
+    and settings (the `comparison` of memstudy.report.experiments)."""
     table = phase_memory(db)
-    base = {(r["image_size"], r["batch_size"], r["device"]): r for r in table
+    same = ("image_size", "batch_size", "device", "comparison")
+    base = {tuple(r[k] for k in same): r for r in table
             if r["name"] == baseline and r["status"] == "ok"}
     rows = []
     for r in table:
-        b = base.get((r["image_size"], r["batch_size"], r["device"]))
+        b = base.get(tuple(r[k] for k in same))
         if b is None or r["name"] == baseline or not r["status"].startswith("ok"):
             continue
-        row = {k: r[k] for k in ("name", "image_size", "batch_size", "device")}
+        row = {k: r[k] for k in ("name", "image_size", "batch_size", "device", "differs")}
         for phase in TRAIN_PHASES:
             num, den = r[f"{phase}_mb"], b[f"{phase}_mb"]
             row[phase] = num / den if num is not None and den else None
@@ -147,42 +150,77 @@ def memory_ratios(db: DB, baseline: str = BASELINE) -> Rows:
 def memory_vs_resolution(db: DB) -> Rows:
     """Absolute peak MB (what a budget caps) of every run by technique set and size, maxres
     probes included: a failed run keeps its status so plots can mark where it stopped."""
+    runs = load_runs(db, probes=True)
+    # a plotted line is one experiment across sizes; `differs` tells a set's lines apart
+    lines = {experiment(r, ACROSS_SIZES): r for r in runs}
+    differs, _same = label_experiments(lines, lambda r: (technique_set(r), device_of(r)),
+                                       ACROSS_SIZES)
     rows = []
-    for r in load_runs(db, probes=True):
+    for r in runs:
         peak = max(r["peaks"].values(), default=None)
         rows.append({"name": r["name"], "image_size": r["image_size"], "batch_size": r["batch_size"],
                      "device": device_of(r), "status": r["status"], "failed_phase": r["failed_phase"],
-                     "peak_mb": mb(peak), "budget_mb": mb(r["env"].get("budget_bytes"))})
+                     "peak_mb": mb(peak), "budget_mb": mb(r["env"].get("budget_bytes")),
+                     "differs": differs[experiment(r, ACROSS_SIZES)]})
     return sorted(rows, key=lambda x: (x["device"], x["name"], size_sort_key(x["image_size"])))
 
 
 def largest_size(db: DB) -> Rows:
-    """The largest trainable size under a budget per technique set (memstudy maxres)."""
+    """The largest trainable size under a budget per technique set (memstudy maxres); one row
+    per search (its settings: maxres's config_key), `differs` naming what sets apart searches
+    of one set and budget (read from their probes' stored configs)."""
+    results = load_maxres(db)
+    probes = _probe_runs(db) if results else {}
+    found = {r["id"]: probes[r["config_key"]] for r in results if r["config_key"] in probes}
+    differs, _same = label_experiments(found, lambda p: (technique_set(p), p["config"].get(
+        "budget"), p["batch_size"], device_of(p)), ACROSS_SIZES)
     return [{"name": r["name"], "budget": r["budget"], "device": r["gpu_name"] or r["device"],
              "batch_size": r["batch_size"], "predicted_px": r["predicted_px"],
              "found_px": r["found_px"], "peak_mb": mb(r["peak_bytes"]),
-             "step_time_s": r["step_time_s"], "fit_phase": r["fit_phase"], "error": r["error"]}
-            for r in load_maxres(db)]
+             "step_time_s": r["step_time_s"], "fit_phase": r["fit_phase"], "error": r["error"],
+             "differs": differs.get(r["id"], "")}
+            for r in results]
 
 
-# Columns of each table for rendering: (row key, header).
+def _probe_runs(db: DB) -> dict[str, dict[str, Any]]:
+    """One probe run per maxres config_key: the hash of its config at image size 0, as
+    maxres.config_key makes it (a config an older memstudy stored that no longer loads: none)."""
+    from memstudy.config import from_dict
+    from memstudy.errors import ConfigError
+
+    out: dict[str, dict[str, Any]] = {}
+    for run in load_runs(db, probes=True):
+        if run["label"] != PROBE_LABEL:
+            continue
+        try:
+            cfg = from_dict(run["config"])
+        except (ConfigError, TypeError):
+            continue
+        cfg.train.image_size = 0
+        out.setdefault(cfg.hash(), run)
+    return out
+
+
+# Columns of each table for rendering: (row key, header). `differs` (memstudy.report.experiments)
+# is left out of a table where no row needs it: no two of its rows share set, size and device.
+DIFFERS = "settings that differ"
 COLUMNS: dict[str, list[tuple[str, str]]] = {
     "phase_memory": [("name", "techniques"), ("image_size", "px"), ("batch_size", "batch"),
                      ("device", "device"), ("forward_mb", "Forward MB"), ("backward_mb", "Backward MB"),
                      ("step_mb", "Step MB"), ("peak_total_mb", "peak total MB"),
                      ("step_time_s", "step s"), ("epoch_time_s", "epoch s"), ("status", "status"),
-                     ("runs", "runs")],
+                     ("runs", "runs"), ("differs", DIFFERS)],
     "losses": [("name", "techniques"), ("image_size", "px"), ("batch_size", "batch"),
                ("device", "device"), ("epochs", "epochs"), ("train_loss", "train loss"),
                ("val_loss", "val loss"), ("val_ssim", "val SSIM"), ("val_psnr", "val PSNR dB"),
-               ("runs", "runs"), ("not_trained", NOT_TRAINED)],
+               ("runs", "runs"), ("not_trained", NOT_TRAINED), ("differs", DIFFERS)],
     "memory_ratios": [("name", "techniques"), ("image_size", "px"), ("batch_size", "batch"),
                       ("device", "device"), ("forward", "Forward"), ("backward", "Backward"),
-                      ("step", "Step")],
+                      ("step", "Step"), ("differs", DIFFERS)],
     "largest_size": [("name", "techniques"), ("budget", "budget"), ("device", "device"),
                      ("batch_size", "batch"), ("predicted_px", "predicted px"),
                      ("found_px", "found px"), ("peak_mb", "peak MB"), ("step_time_s", "step s"),
-                     ("error", "error")],
+                     ("error", "error"), ("differs", DIFFERS)],
     # not in TABLES: shown only for databases with Tri-Accel runs (memstudy.report.triaccel_section)
     "tri_efficiency": [("name", "techniques"), ("image_size", "px"), ("run", "run"),
                        ("quality_pct", "val MS-SSIM %"), ("time_per_epoch_s", "epoch s"),
@@ -213,7 +251,7 @@ def as_cells(table: str, rows: Rows, raw: bool = False) -> tuple[list[str], list
 
     Seed spread: where a row holds `<key>_std` (several seeds), the cell reads "mean ± std";
     raw tables give the std its own column instead, so a spreadsheet can compute with it."""
-    cols = COLUMNS[table]
+    cols = [(k, h) for k, h in COLUMNS[table] if k != "differs" or any(r.get(k) for r in rows)]
     spread = {k for k, _h in cols if any(row.get(f"{k}_std") is not None for row in rows)}
     headers, cells = [], [[] for _ in rows]
     for k, h in cols:
