@@ -12,7 +12,7 @@ from memstudy.errors import ConfigError, MemstudyError
 from memstudy.phases import TRAIN_PHASES
 from memstudy.console import eprint
 from memstudy.techniques import check_early
-from memstudy.store import RANK_MAX, RANK_MEAN, ResultsDB, default_db_path
+from memstudy.store import RANK_MAX, RANK_MEAN, ResultsDB, check_writable, default_db_path
 from memstudy.text_table import phase_table
 from memstudy.trained import describe, loss_ranges
 from memstudy.bytesize import mb
@@ -62,6 +62,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     check_early(cfg)  # config, size, technique and file errors before torch is imported
+    check_writable(args.db)  # before anything trains: a run that cannot be stored is lost
     from memstudy.launch import launched_by_torchrun, run_distributed
     from memstudy.runner import execute
 
@@ -151,6 +152,8 @@ def cmd_grid(args: argparse.Namespace) -> int:
     if args.timeout is not None:
         spec.timeout_s = args.timeout
     gpus = [g.strip() for g in args.gpus.split(",")] if args.gpus else None
+    if not args.dry_run:
+        check_writable(args.db)
     if args.dry_run:
         cells = expand(spec)
         check_sharing(cells, args.cells_per_gpu)
@@ -220,6 +223,7 @@ def cmd_maxres(args: argparse.Namespace) -> int:
         raise ConfigError("memstudy maxres needs --budget, e.g. --budget 8GiB")
     sets = [split_techniques(s) for s in args.sets] if args.sets else [cfg.techniques]
     fit = [int(s) for s in args.fit_sizes.split(",")]
+    check_writable(args.db)
     results = search_all(cfg, sets, args.db, fit_sizes=fit, max_size=args.max_size,
                          timeout_s=args.timeout, progress=None if args.quiet else eprint,
                          step=args.step)
@@ -231,6 +235,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from memstudy.report import build_report, parse_weights
 
     weights = parse_weights(args.cost_weights) if args.cost_weights else None
+    if args.out:
+        check_output(args.out)  # before the report is built
     text = build_report(args.report_db or args.db, args.format, budget=args.budget,
                         cost_weights=weights)
     if args.out:
@@ -300,12 +306,24 @@ def add_study_parsers(sub) -> None:
     report.set_defaults(func=cmd_report)
 
 
-def write_output(path: str, text: str) -> None:
-    """Write `text` to `path`; a missing folder or an unwritable file is one error naming it."""
+def check_output(path: str) -> None:
+    """Refuse an --out that cannot be written: a missing or read-only folder, a read-only file,
+    a folder in its place; one error naming it."""
     folder = Path(path).parent
     if not folder.is_dir():
         raise ConfigError(f"--out {path}: folder {folder} does not exist; create it "
                           f"(mkdir -p {folder}) or write elsewhere")
+    if Path(path).is_dir():
+        raise ConfigError(f"--out {path} is a folder; name a file in it")
+    target = Path(path) if Path(path).exists() else folder
+    if not os.access(target, os.W_OK):
+        raise ConfigError(f"--out {path}: {target} is read-only; make it writable or write "
+                          "elsewhere")
+
+
+def write_output(path: str, text: str) -> None:
+    """Write `text` to `path`; a missing folder or an unwritable file is one error naming it."""
+    check_output(path)
     try:
         with open(path, "w") as fh:
             fh.write(text)
@@ -326,6 +344,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if not args.budget or not args.size:
         raise ConfigError("memstudy advise needs --budget and --size, e.g. --budget 8GiB "
                           "--size 4188x3500 (or --check)")
+    check_writable(db)  # advise stores its predictions (and --confirm a run)
     device, preds, skipped = advise.predict_all(db, args.budget, args.size, args.batch_size,
                                                 args.gpu)
     advise.store(db, device, args.size, args.budget, args.batch_size, preds)
@@ -367,6 +386,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     missing = [src for src in args.sources if not Path(src).is_file()]
     if missing:
         raise ConfigError(f"no such database: {', '.join(missing)}")
+    check_writable(args.db)
     for src, copied, known in merge_databases(args.db, args.sources):
         if copied == 0:
             print(f"{src}: nothing copied; all {known} of its runs are in {args.db} already")
@@ -394,6 +414,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                               f"({args.db})")
         print(best_table(spec, ResultsDB(args.db), args.best))
         return 0
+    check_writable(args.db)
     try:
         trials = run_tune(spec, ResultsDB(args.db), progress=None if args.quiet else eprint)
     except KeyboardInterrupt:

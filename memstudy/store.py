@@ -10,14 +10,18 @@ Only a missing path is created (in a scratch file linked into place, so a concur
 never sees a half-made database); an existing file must already be a memstudy database: an
 empty file, random bytes or another program's SQLite file is refused, never rewritten.
 Every SQLite failure (not a database, locked, read-only) becomes one `DatabaseError` naming
-the file and what to do. Each run carries a random `run_uid`, so `merge_databases` copies a
-run once however often it is merged (older runs without one: by config hash and start time).
+the file and what to do. Commands that write call `check_writable` before they build anything;
+a run whose store fails anyway is kept in a side database beside the file (`keep_aside`), and
+the error names it and the `memstudy merge` that adds it. Each run carries a random
+`run_uid`, so `merge_databases` copies a run once however often it is merged (older runs
+without one: by config hash and start time).
 """
 from __future__ import annotations
 
 import json
 import os
 import sqlite3
+import tempfile
 import time
 import uuid
 from contextlib import contextmanager
@@ -315,8 +319,17 @@ class ResultsDB:
             con.close()
 
     def record(self, rec: RunRecord) -> int:
+        """Store the run in one transaction; where that fails (disk full, the file made
+        read-only mid-run), the record goes to a side database (keep_aside) and the error
+        says how to merge it: a run is never trained to be lost."""
         if rec.status not in STATUSES:
             raise ValueError(f"status {rec.status!r} is not one of {STATUSES}")
+        try:
+            return self._insert(rec)
+        except DatabaseError as exc:
+            raise DatabaseError(f"{exc}; {keep_aside(rec, self.path)}") from None
+
+    def _insert(self, rec: RunRecord) -> int:
         train = rec.config["train"]
         with self.transaction() as con:  # one transaction: the whole run or nothing
             cur = con.execute(
@@ -356,15 +369,11 @@ class ResultsDB:
 
     def add_predictions(self, rows: list[dict[str, Any]]) -> None:
         """Store `memstudy advise` predictions (PREDICTION_COLUMNS each), in one transaction."""
-        con = self._connect()
-        try:
-            with con:
-                con.executescript(PREDICTIONS_SCHEMA)
-                con.executemany(f"INSERT INTO predictions ({', '.join(PREDICTION_COLUMNS)}) "
-                                f"VALUES ({', '.join('?' * len(PREDICTION_COLUMNS))})",
-                                [[row[c] for c in PREDICTION_COLUMNS] for row in rows])
-        finally:
-            con.close()
+        with self.transaction() as con:  # SQLite failures as one DatabaseError naming the file
+            con.execute(PREDICTIONS_SCHEMA)
+            con.executemany(f"INSERT INTO predictions ({', '.join(PREDICTION_COLUMNS)}) "
+                            f"VALUES ({', '.join('?' * len(PREDICTION_COLUMNS))})",
+                            [[row[c] for c in PREDICTION_COLUMNS] for row in rows])
 
     def query(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
         with self.transaction() as con:
@@ -389,6 +398,41 @@ class ResultsDB:
     def series(self, run_id: int, name_like: str = "%") -> Iterator[dict[str, Any]]:
         yield from self.query("SELECT * FROM series WHERE run_id = ? AND name LIKE ? "
                               "ORDER BY rank, step", (run_id, name_like))
+
+
+def check_writable(path: str | Path) -> None:
+    """Refuse, before anything is built or trained, a database a command could not write: an
+    existing file that is not a memstudy database or is read-only, or a folder where SQLite
+    cannot create it or its journal (the -wal file beside it). One DatabaseError naming the
+    path; a failure after this check (a full disk) is caught by `record` instead."""
+    path = Path(path)
+    check_database_file(path)
+    if path.exists():
+        ResultsDB(path, create=False)  # another program's SQLite file: refused by name
+        if not os.access(path, os.W_OK):
+            raise DatabaseError(f"{path} is read-only, so no run could be stored in it; make "
+                                f"it writable (chmod u+w {path}) or pass another --db")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:  # created on first use
+        folder = folder.parent
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise DatabaseError(f"cannot write in {folder}, the folder of {path} (SQLite keeps its "
+                            "journal beside the database); make it writable or pass another --db")
+
+
+def keep_aside(rec: RunRecord, path: Path) -> str:
+    """Write a run that `path` could not store to a database of its own beside it (else in
+    the temporary folder); returns the sentence that says where and how to merge it."""
+    name = f"{path.stem}.unstored-{rec.run_uid[:12]}.sqlite"
+    for folder in (path.parent, Path(tempfile.gettempdir())):
+        side = folder / name
+        try:
+            ResultsDB(side)._insert(rec)
+        except (DatabaseError, OSError):
+            continue
+        return (f"the run's record is kept in {side}; once {path} can be written, add it with "
+                f"`memstudy --db {path} merge {side}`")
+    return f"the run's record could not be kept beside {path} either (nor in {folder})"
 
 
 def merge_databases(target: str | Path, sources: list[str | Path]) -> list[tuple[Path, int, int]]:
