@@ -117,3 +117,19 @@ def test_segmentation_refuses_a_mismatched_mask_before_training(make_config, tmp
     with pytest.raises(ImageError, match=r"s2.png: mask is 48x60 px .* its input s2.png is 48x70"):
         execute(cfg, db)
     assert db.runs() == []  # refused before anything was recorded
+
+
+@pytest.mark.slow
+def test_segmenting_phantom_lungs_learns(make_config):
+    """The lung fields of four 96 px phantoms: validation Dice rises from chance to most of the
+    lungs in six epochs (measured 0.19 -> 0.83; eval-mode BatchNorm lags the first epochs)."""
+    cfg = make_config(96, epochs=6, lr=3e-3, task="segment")
+    cfg.data.train_images, cfg.data.val_images = 4, 2
+    cfg.meter.tensor = "off"
+    from memstudy.runner import execute
+
+    rec = execute(cfg, db=None)
+    assert rec.status == "ok", rec.error
+    dice = [e["val_dice"] for e in rec.epochs]
+    assert dice[-1] > 0.5 and dice[-1] > dice[0] + 0.3, dice
+    assert rec.epochs[-1]["train_loss"] < rec.epochs[0]["train_loss"] / 2
