@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
 # then results/ is packed into $OUT/results.tgz (at most 8 files come back from a remote GPU machine).
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [networks] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu]
 #
 # A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -87,6 +87,14 @@ for item in $STEPS; do
             eight=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.BEST_LEVELS3)")
             MEMSTUDY_PROFILE_TABLE="$RES/targets-4188/kernels.txt" MEMSTUDY_ALLOC_TRACE="$RES/targets-4188/releases.md" $PY benchmarks/bench_ladder.py --part native --out "$RES/targets-4188" --size 4188 --budget 4GiB --steps 8 --no-float32 --tiled-set "$four;$four" 2>&1 | tee -a "$RES/targets.log"
             MEMSTUDY_PROFILE_TABLE="$RES/targets-8192/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/targets-8192" --size 8192 --budget 8GiB --steps 6 --no-float32 --no-references --tiled-set "$eight;$eight" 2>&1 | tee -a "$RES/targets.log" ;;
+        # other networks and the segmentation task (docs/network.md): native 4188 px per network,
+        # task and budget with the best tiled set(s) ('+'-joined names in bench_ladder), beside
+        # that network's own tuned bf16 step
+        networks) for entry in ${NETWORKS:-resnet50,segment,8GiB,BEST_LEVELS3 resnet18,enhance,4GiB,NATIVE_SET resnet34,segment,4GiB,NATIVE_SET resnet50,enhance,8GiB,BEST_LEVELS3}; do
+                IFS=, read -r net task budget set <<< "$entry"
+                tiled=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(';'.join(getattr(b, n) for n in '$set'.split('+')))")
+                $PY benchmarks/bench_ladder.py --part native --out "$RES/networks/$net-$task-$budget" --size ${NETWORKS_SIZE:-4188} --budget "$budget" --steps 8 --no-float32 --network "model.encoder=$net;train.task=$task" --tiled-set "$tiled" 2>&1 | tee -a "$RES/networks.log"
+            done ;;
         # the tiled BatchNorm's kernels: Triton against PyTorch's primitives, per strip
         # (bench_norm_kernels) and in both targets' steps, tile:norm=torch and the default (triton)
         # alternating at 4188 px beside the tuned step (tile-norm), once each at 8192 px (tile-norm-8192)
