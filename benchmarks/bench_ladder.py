@@ -233,6 +233,7 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
         peaks = [m["alloc_peak_bytes"] + m.get("alloc_start_bytes", 0)
                  for m in metrics.values() if "alloc_peak_bytes" in m]
         rows.append({"label": r["label"] or r["name"], "status": r["status"],
+                     "started": r["started_at"],
                      "phase": r["failed_phase"],
                      "peak": max(peaks) if peaks else None, "gpu": r["gpu_name"],
                      "nvml": max((m.get("nvml_peak_bytes", 0) for m in metrics.values()),
@@ -252,8 +253,10 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
                  "time / amp:bf16 (chunked loss; no tuned row recorded)")
     fp32 = next((r["msssim"] for r in rows if r["label"].startswith("float32")), None)
     gpus = sorted({r["gpu"] for r in rows if r["gpu"]})
-    when = time.strftime('%Y-%m-%d %H:%M')
-    lines = [f"GPU: **{', '.join(gpus) or 'unknown'}**; recorded {when}. "
+    # the runs' own date (a table rewritten later from the database keeps it)
+    when = time.strftime('%Y-%m-%d %H:%M', time.gmtime(max((r["started"] for r in rows),
+                                                          default=time.time())))
+    lines = [f"GPU: **{', '.join(gpus) or 'unknown'}**; recorded {when} UTC. "
              "Allocator peak = largest absolute allocator peak of any phase (no CUDA context); "
              "NVML peak = device memory used, CUDA context included. Validation: MS-SSIM (enhancement) or Dice (segmentation) after the "
              "same steps on the same phantoms. Retries: the allocator's `num_alloc_retries` over the "
