@@ -37,6 +37,7 @@ from memstudy.report.decide import candidates, contexts, missing_context, qualit
 from memstudy.sizes import parse_size, size_hw, size_label
 from memstudy.store import ResultsDB
 from memstudy.techniques import canonical
+from memstudy.report.notes import quality_warning
 from memstudy.report.experiments import experiment, label_experiments, technique_set
 from memstudy.text_table import format_table
 
@@ -54,6 +55,8 @@ class Prediction:
     fits: bool
     why_not: str | None = None  # a recorded run that overrules the fit
     quality_under: str = ""  # the settings of the runs quality_cost compared, where not its own
+    quality_epochs: int | None = None  # the fewer epochs and seeds of that pair
+    quality_seeds: int | None = None
     differs: str = ""  # what sets it apart from the set's other experiments (experiments.split)
     val_loss_delta: float | None = None
     quality_at: Any = None
@@ -125,7 +128,9 @@ def predict_all(db, budget: str, size, batch_size: int = 1, gpu: str | None = No
             continue
         p.differs = differs
         like = {"name": name, "device": device, "batch_size": batch_size, "run": runs_of[-1]}
-        p.val_loss_delta, _std, p.quality_at, p.quality_under = quality_cost(cands, like, size)
+        q = quality_cost(cands, like, size)
+        p.val_loss_delta, p.quality_at, p.quality_under = q["delta"], q["at"], q["under"]
+        p.quality_epochs, p.quality_seeds = q["epochs"], q["seeds"]
         predictions.append(p)
     predictions.sort(key=lambda p: (not p.fits, p.step_time_s if p.fits and p.step_time_s
                                     is not None else math.inf, p.peak_bytes))
@@ -384,10 +389,14 @@ def check_table(rows: list[dict[str, Any]]) -> str:
 
 def describe(device: str, size, budget: str, preds: list[Prediction]) -> str:
     limit = parse_bytes(budget, "--budget")
+    peaks = ("live tensor bytes, parameters and optimizer state included" if device == "cpu"
+             else "allocator bytes plus the CUDA context")  # what a budget caps there
     head = (f"{size_label(parse_size(size))} px under {budget} on {device}: "
             f"{sum(p.fits for p in preds)} of {len(preds)} technique sets predicted to fit "
-            "(fastest first; peaks include the CUDA context)")
-    return head + "\n" + table(preds, limit)
+            f"(fastest first; peaks: {peaks})")
+    warning = quality_warning([vars(p) for p in preds], "val_loss_delta", "quality_epochs",
+                              "quality_seeds")
+    return "\n".join(filter(None, (head, table(preds, limit), warning)))
 
 
 __all__ = ["Prediction", "check", "check_table", "choose_gpu", "confirm", "describe",

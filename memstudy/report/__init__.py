@@ -13,6 +13,8 @@ Python API (all take a database path or a ResultsDB; rows are lists of dicts, pa
     tri_efficiency(db), tri_control_series(db, run_id), tri_control_chart(series)
                                         Tri-Accel section (only for databases with tri_accel runs)
     decisions(db, budgets)              per budget and size: the fastest set that fits, its costs
+    savings(db)                         per set and size: activation memory against original
+                                        (shown in place of decisions when there is no budget)
     pareto(db)                          peak memory against step time per size, Pareto marked
     phase_categories(db), phase_peaks(db)
                                         memory by category per phase; increment beside absolute
@@ -27,8 +29,11 @@ from pathlib import Path
 
 from memstudy.report import cost as cost_section
 from memstudy.report import decide
+from memstudy.report import savings as savings_section
+from memstudy.report.notes import table_note
 from memstudy.report.decide import (budgets_found, candidates, decisions, pareto,
                                     phase_categories, phase_peaks)
+from memstudy.report.savings import savings
 from memstudy.report.cost import accumulation, cost, parse_weights
 from memstudy.report.data import load_maxres, load_runs, open_db
 from memstudy.report.plots import (largest_size_chart, loss_curve_chart, png, ratio_chart,
@@ -66,6 +71,8 @@ COLUMNS.update(cost_section.COLUMNS)
 TITLES.update(cost_section.TITLES)
 COLUMNS.update(decide.COLUMNS)
 TITLES.update(decide.TITLES)
+COLUMNS.update(savings_section.COLUMNS)
+TITLES.update(savings_section.TITLES)
 
 
 def build_report(db, fmt: str = "term", budget: str | None = None,
@@ -76,7 +83,12 @@ def build_report(db, fmt: str = "term", budget: str | None = None,
         raise ValueError(f"report format {fmt!r} unknown; choose one of {FORMATS}")
     db = open_db(db)
     # the decision first: what a reader came for; then the study's tables behind it
-    tables = {"decisions": decisions(db, budgets_found(db) + ([budget] if budget else []))}
+    budgets = budgets_found(db) + ([budget] if budget else [])
+    tables = {"decisions": decisions(db, budgets)}
+    empty: dict[str, str] = {}
+    if not budgets:  # what the runs answer without one (memstudy.report.savings)
+        tables["savings"] = savings_section.savings(db)
+        empty["decisions"] = savings_section.needs(tables["savings"], str(db.path))
     tables.update({name: fn(db) for name, fn in TABLES.items()})
     tables.update({name: fn(db) for name, fn in decide.TABLES.items() if name != "decisions"})
     costs = cost(db, cost_weights or cost_section.DEFAULT_WEIGHTS)
@@ -94,9 +106,12 @@ def build_report(db, fmt: str = "term", budget: str | None = None,
         resolution = memory_vs_resolution(db)
         controls = [(run, tri_control_series(db, run["id"])) for run in tri_runs(db)] if tri else []
         return build_html(str(db.path), tables, resolution, budget_line(resolution, budget),
-                          controls)
+                          controls, {n: table_note(n, rows, empty) for n, rows in tables.items()})
     heading = {"term": "{}\n", "md": "## {}\n\n", "csv": "# {}\n", "latex": "% {}\n"}[fmt]
-    sections = [heading.format(TITLES[name]) + (render(name, rows, fmt) if rows else "(no runs)")
+    mark = {"term": "", "md": "", "csv": "# ", "latex": "% "}[fmt]
+    sections = [heading.format(TITLES[name]) + "\n".join(filter(None, (
+                    render(name, rows, fmt) if rows else "",
+                    mark + table_note(name, rows, empty) if table_note(name, rows, empty) else "")))
                 for name, rows in tables.items()]
     return "\n\n".join(sections + spelling_note(db, fmt)) + "\n"
 
@@ -111,7 +126,7 @@ def spelling_note(db, fmt: str) -> list[str]:
 
 
 __all__ = ["COLUMNS", "TABLES", "TITLES", "accumulation", "budgets_found", "build_report",
-           "candidates", "cost", "decisions", "pareto", "phase_categories", "phase_peaks", "parse_weights", "budget_line", "largest_size",
+           "candidates", "cost", "decisions", "pareto", "phase_categories", "phase_peaks", "parse_weights", "savings", "budget_line", "largest_size",
            "largest_size_chart", "load_maxres", "load_runs", "loss_curve_chart", "loss_curves", "losses", "memory_ratios",
            "memory_vs_resolution", "notebook_db", "open_db", "phase_memory", "png",
            "ratio_chart", "render", "resolution_chart", "tri_control_chart",

@@ -122,13 +122,16 @@ def budgets_found(db, extra: list[str] = ()) -> list[int]:
     return sorted(found)
 
 
-def quality_cost(cands: Rows, like: dict[str, Any], size) -> tuple[float | None, float | None, Any, str]:
-    """(val loss of `like`'s set minus original's, its std, the size compared at, the settings
-    compared under where they are not `like`'s own): at `size` when both were validated there,
-    else at the largest size where both were. The pair is one experiment apart from its set:
-    among validated candidates of `like`'s device and batch, the set and original must agree on
-    every setting that splits some set's rows (experiments.split), preferably with `like`'s
-    values of them (a maxres probe is never validated: its set's validated runs stand in)."""
+def quality_cost(cands: Rows, like: dict[str, Any], size) -> dict[str, Any]:
+    """`delta`: val loss of `like`'s set minus original's, `std` its spread, `at` the size
+    compared at, `under` the settings compared under where they are not `like`'s own, `epochs`
+    and `seeds` the fewer of the pair's (report.notes warns below what ranks quality); all None
+    ('' for `under`) where there is no pair. At `size` when both were validated there, else at
+    the largest size where both were. The pair is one experiment apart from its set: among
+    validated candidates of `like`'s device and batch, the set and original agree on every
+    setting that splits some set's rows (experiments.split), preferably with `like`'s values of
+    them (a maxres probe is never validated: its set's validated runs stand in)."""
+    none = {"delta": None, "std": None, "at": None, "under": "", "epochs": None, "seeds": None}
     validated = [c for c in cands if c["device"] == like["device"] and c["val_loss"] is not None
                  and c["batch_size"] == like["batch_size"]]
     _shown, keys = split({i: c["run"] for i, c in enumerate(validated)})
@@ -144,18 +147,18 @@ def quality_cost(cands: Rows, like: dict[str, Any], size) -> tuple[float | None,
     own = comparison(like["run"], keys)
     labels = [own] if own in ours and own in base else sorted(set(ours) & set(base))
     if len(labels) != 1:  # none, or several settings and none of them like's: no one answer
-        return None, None, None, ""
-    label = labels[0]
-    common = sorted(set(ours[label]) & set(base[label]), key=size_sort_key)
+        return none
+    common = sorted(set(ours[labels[0]]) & set(base[labels[0]]), key=size_sort_key)
     if not common:
-        return None, None, None, ""
+        return none
     at = size if size in common else common[-1]
-    a, b = ours[label][at], base[label][at]
+    a, b = ours[labels[0]][at], base[labels[0]][at]
     stds = [s for s in (a["val_loss_std"], b["val_loss_std"]) if s is not None]
     theirs, mine = settings(a["run"]), settings(like["run"])  # name only where they differ
-    under = describe(theirs, {k for k in keys if theirs.get(k) != mine.get(k)})
-    return (a["val_loss"] - b["val_loss"], (sum(s * s for s in stds) ** 0.5 if stds else None),
-            at, under)
+    return {"delta": a["val_loss"] - b["val_loss"], "at": at,
+            "std": sum(s * s for s in stds) ** 0.5 if stds else None,
+            "under": describe(theirs, {k for k in keys if theirs.get(k) != mine.get(k)}),
+            "epochs": min(a["epochs"], b["epochs"]), "seeds": min(a["val_n"], b["val_n"])}
 
 
 def decisions(db, budgets: list[int | str] | None = None) -> Rows:
@@ -205,11 +208,13 @@ def _decision(cands, ok, size, written_budget, dead=(), untimed=()) -> dict[str,
     best = min(fitting, key=lambda c: (c["step_time_s"], c["peak_bytes"]))
     base = min((c for c in ok if c["name"] == BASELINE and c["comparison"] == best["comparison"]),
                key=lambda c: c["step_time_s"], default=None)
-    delta, delta_std, at, under = quality_cost(cands, best, size)
+    q = quality_cost(cands, best, size)
     row.update(name=best["name"], differs=best["differs"], peak_mb=mb(best["peak_bytes"]),
                step_time_s=best["step_time_s"], step_time_s_std=best["step_time_s_std"],
-               runs=best["ok"], val_loss_delta=delta, val_loss_delta_std=delta_std,
-               note="; ".join(filter(None, (_note(best, base, at, size, under), left_out_note))))
+               runs=best["ok"], val_loss_delta=q["delta"], val_loss_delta_std=q["std"],
+               quality_epochs=q["epochs"], quality_seeds=q["seeds"],
+               note="; ".join(filter(None, (_note(best, base, q["at"], size, q["under"]),
+                                            left_out_note))))
     if base is not None:
         row["time_vs_original"] = best["step_time_s"] / base["step_time_s"]
     return row
@@ -268,28 +273,29 @@ def pareto(db) -> Rows:
             rows.append({k: c[k] for k in ("name", "image_size", "batch_size", "device",
                                            "step_time_s", "step_time_s_std", "val_loss",
                                            "val_loss_std", "budget", "label", "differs")}
-                        | {"peak_mb": mb(c["peak_bytes"]), "runs": c["ok"],
-                           "pareto": "" if dominated else "*"})
+                        | {"peak_mb": mb(c["peak_bytes"]), "runs": c["ok"], "epochs": c["epochs"],
+                           "quality_seeds": c["val_n"], "pareto": "" if dominated else "*"})
     return sorted(rows, key=lambda r: (r["device"], size_sort_key(r["image_size"]),
                                        r["peak_mb"], r["step_time_s"]))
 
 
-def _phase_groups(db) -> dict[tuple, Rows]:
-    """Finished single-device runs (maxres probes left out) by experiment: seeds together."""
+def phase_groups(db) -> dict[tuple, Rows]:
+    """Finished single-device runs (maxres probes left out) by experiment, seeds together,
+    keyed (name, size, batch, device, label, differs, comparison: experiments.split)."""
     groups: dict[tuple, Rows] = defaultdict(list)
     for run in load_runs(db):
         if run["status"] == "ok" and run["world_size"] == 1:
             groups[experiment(run)].append(run)
-    differs, _same = label_experiments({k: g[0] for k, g in groups.items()})
+    differs, same = label_experiments({k: g[0] for k, g in groups.items()})
     return {(r[0]["name"], r[0]["image_size"], r[0]["batch_size"], device_of(r[0]),
-             r[0]["label"] or "-", differs[k]): r for k, r in groups.items()}
+             r[0]["label"] or "-", differs[k], same[k]): r for k, r in groups.items()}
 
 
 def phase_categories(db) -> Rows:
     """Per set, size and phase: MB held at the phase end in each category (mean over the
     group's runs; docs/metrics.md), their sum, and the phase's absolute peak beside them."""
     rows = []
-    for (name, size, batch, device, label, differs), runs in _phase_groups(db).items():
+    for (name, size, batch, device, label, differs, _same), runs in phase_groups(db).items():
         for phase in TRAIN_PHASES:
             cats = [r["metrics"].get(phase, {}) for r in runs]
             if not any("cat_params_bytes" in m for m in cats):
@@ -308,7 +314,7 @@ def phase_peaks(db) -> Rows:
     """Per set and size: each phase's increment above its start (the study's figure) beside
     its absolute peak (what a budget caps), mean over seeds with their spread."""
     rows = []
-    for (name, size, batch, device, label, differs), runs in _phase_groups(db).items():
+    for (name, size, batch, device, label, differs, _same), runs in phase_groups(db).items():
         row = {"name": name, "image_size": size, "batch_size": batch, "device": device,
                "label": label, "differs": differs, "runs": len(runs)}
         for phase in TRAIN_PHASES:
@@ -349,7 +355,7 @@ COLUMNS = {
 }
 TITLES = {
     "decisions": "Best technique set per budget and size: the fastest finished set whose "
-                 "absolute peak fits (CUDA context included), against original",
+                 "absolute peak fits (on a GPU the CUDA context included), against original",
     "pareto": "Peak memory against step time per size (Pareto = no set is both smaller and "
               "faster); validation loss beside",
     "phase_categories": "Memory held at each phase's end by category (MB), beside the "

@@ -68,23 +68,28 @@ def _img(fig, alt: str) -> str:
     return f'<img alt="{escape(alt)}" src="data:image/png;base64,{data}">'
 
 
-def _table(name: str, rows: list[dict[str, Any]]) -> str:
+def _table(name: str, rows: list[dict[str, Any]], note: str = "") -> str:
+    note = f"<p>{escape(note)}</p>" if note else ""
     if not rows:
-        return "<p>no runs</p>"
-    return render_table(*as_cells(name, rows), "html").replace("<table>", '<table class="sortable">', 1)
+        return note or "<p>no runs</p>"
+    return render_table(*as_cells(name, rows), "html").replace(
+        "<table>", '<table class="sortable">', 1) + note
 
 
 def build_html(source: str, tables: dict[str, list[dict[str, Any]]], resolution: list[dict],
-               budget_mb: float | None, tri_controls: list[tuple[dict, dict]] = ()) -> str:
+               budget_mb: float | None, tri_controls: list[tuple[dict, dict]] = (),
+               notes: dict[str, str] | None = None) -> str:
     """`tri_controls`: (run, control_series) per Tri-Accel run, plotted after the
-    `tri_efficiency` table (memstudy.report.triaccel_section)."""
+    `tri_efficiency` table (memstudy.report.triaccel_section); `notes`: the line under each
+    table (memstudy.report.notes)."""
+    notes = notes or {}
     parts = [f"<h1>memstudy report</h1><p>{escape(source)} &middot; generated "
              f"{time.strftime('%Y-%m-%d %H:%M')} &middot; click a column header to sort, "
              "a legend entry to hide or show a series, hover a point for its values</p>",
              _contents([(name, TITLES[name]) for name in tables] + [("resolution", RESOLUTION_TITLE)])]
     for name, rows in tables.items():
         parts.append(f'<h2 id="{name}">{escape(TITLES[name])}</h2>')
-        parts.append(_table(name, rows))
+        parts.append(_table(name, rows, notes.get(name, "")))
         parts.append(_figures_after(name, rows))
         if name == "tri_efficiency":
             parts.append(_tri_runs(tri_controls))
@@ -114,6 +119,8 @@ def _figures_after(name: str, rows: list[dict[str, Any]]) -> str:
         keys = sorted({(r["device"], r["image_size"]) for r in rows},
                       key=lambda k: (k[0], size_sort_key(k[1])))
         return "".join(_figure(interactive.category_chart(rows, d, s)) for d, s in keys)
+    if name == "savings":
+        return _figure(interactive.savings_chart(rows))
     if name == "memory_ratios":
         return _figure(interactive.ratio_chart(rows))
     if name == "largest_size":

@@ -42,9 +42,11 @@ def pareto_chart(rows: Rows, device: str) -> go.Figure | None:
         group = by_size[size]
         front = sorted((r for r in group if r["pareto"]), key=lambda r: r["peak_mb"])
         label = f"{size_label(size)} px"
-        fig.add_trace(go.Scatter(
+        fig.add_trace(go.Scatter(  # each point named: the set (and what sets its row apart)
             x=[r["peak_mb"] for r in group], y=[r["step_time_s"] for r in group],
-            mode="markers", name=label, legendgroup=label,
+            mode="markers+text", name=label, legendgroup=label, textposition="top center",
+            text=[r["name"] + (f" [{r['differs']}]" if r.get("differs") else "") for r in group],
+            textfont={"size": 9},
             customdata=[[r["name"], _num(r["val_loss"], 4), r["runs"], r["label"],
                          "Pareto" if r["pareto"] else ""] for r in group],
             hovertemplate=(f"{label}<br>%{{customdata[0]}}<br>peak %{{x:.0f}} MB<br>step "
@@ -57,6 +59,24 @@ def pareto_chart(rows: Rows, device: str) -> go.Figure | None:
                                      showlegend=False, hoverinfo="skip", line={"dash": "dot"}))
     return _layout(fig, f"Peak memory against step time, {device}", "absolute peak (MB)",
                    "step time (s)", xaxis_type="log", yaxis_type="log")
+
+
+def savings_chart(rows: Rows) -> go.Figure | None:
+    """Memory held for backward at the forward's end per set, a bar series per size and device
+    (memstudy.report.savings): what the runs answer where absolute peaks are model state."""
+    rows = [r for r in rows if r["saved_mb"] is not None]
+    if not rows:
+        return None
+    series: dict[tuple, Rows] = defaultdict(list)
+    for r in rows:
+        series[(size_label(r["image_size"]), r["device"])].append(r)
+    fig = go.Figure([go.Bar(x=[r["name"] + (f" [{r['differs']}]" if r["differs"] else "")
+                               for r in group], y=[r["saved_mb"] for r in group],
+                            name=f"{size} px ({device})",
+                            hovertemplate="%{x}: %{y:.1f} MB<extra></extra>")
+                     for (size, device), group in series.items()])
+    return _layout(fig, "Held for backward at the forward's end, per set", "techniques", "MB",
+                   barmode="group")
 
 
 def category_chart(rows: Rows, device: str, size: Any) -> go.Figure | None:
