@@ -106,7 +106,8 @@ def ladder(args: argparse.Namespace, out: Path) -> int:
     sets = [s.split(",") for s in args.sets.split(";") if s]
     lines = ["# Budget ladder: largest trainable square size", "",
              f"Recorded {time.strftime('%Y-%m-%d %H:%M')}; budgets include the CUDA context "
-             "(docs/budget.md); each probe trains a few steps without validation."]
+             "(docs/budget.md); each probe trains a few steps without validation.",
+             f"Network and task: {args.network or 'the study default (resnet34 U-Net, enhance)'}."]
     failed = False
     for budget in [b for b in args.budgets.split(",") if b]:
         cfg = RunConfig(budget=budget)
