@@ -42,6 +42,13 @@ from memstudy.report.experiments import experiment, label_experiments, technique
 from memstudy.text_table import format_table
 
 CONFIRM_LABEL = "advise confirm"
+# How far beyond its nearest measured size (in pixels) a line is trusted: the H100 checks of
+# docs/advise.md ("Measured") were within 9% at 1.9x and 20% inside the range; farther,
+# memory stops being linear (allocator rounding, cuDNN's choices). --confirm refuses more
+# unless --force.
+SAFE_REACH = 2.0
+CONFIRM_TIMEOUT_S = 1800  # --confirm's default time limit: the study's grid specs' timeout_s
+CONFIRM_PROGRESS_S = 30  # between --confirm's progress lines
 
 
 @dataclass
@@ -53,6 +60,8 @@ class Prediction:
     confidence: str
     fit_error: float | None  # largest relative residual of the peak fit at its own sizes
     fits: bool
+    reach: float = 1.0  # pixels over the nearest measured size's, extrapolated (1: not)
+    measured_px: list[int] = field(default_factory=list)  # the pixel counts the line went through
     why_not: str | None = None  # a recorded run that overrules the fit
     quality_under: str = ""  # the settings of the runs quality_cost compared, where not its own
     quality_epochs: int | None = None  # the fewer epochs and seeds of that pair
@@ -195,8 +204,9 @@ def predict_set(name: str, runs: list[dict], pixels: int, size, limit: int,
     if exact:  # a measurement at the very size beats the line
         peak = max(max(r["peaks"].values()) + missing_context(r, context) for r in exact)
         step = _median([step_time(r) for r in exact]) or step
-    pred = Prediction(name, peak, step, phase, _confidence(xs, pixels, bool(exact)), worst,
-                      peak <= limit, template=max(ok, key=_pixels)["config"], phase_fits=fits)
+    confidence, reach = _confidence(xs, pixels, bool(exact))
+    pred = Prediction(name, peak, step, phase, confidence, worst, peak <= limit, reach, xs,
+                      template=max(ok, key=_pixels)["config"], phase_fits=fits)
     pred.why_not = _recorded_oom(runs, pixels, limit)
     if pred.why_not:
         pred.fits = False
@@ -213,18 +223,39 @@ def _median(values: list[float | None]) -> float | None:
     return present[len(present) // 2] if present else None
 
 
-def _confidence(measured_px: list[int], pixels: int, exact: bool) -> str:
+def _confidence(measured_px: list[int], pixels: int, exact: bool) -> tuple[str, float]:
+    """(how the prediction was made, its reach: the pixel ratio beyond the nearest measured
+    size, 1 inside the range); beyond SAFE_REACH the text says so."""
     side = lambda px: round(math.sqrt(px))  # noqa: E731 (a square of those pixels)
     if exact:
-        return "measured"
+        return "measured", 1.0
     lo, hi = measured_px[0], measured_px[-1]
     if lo < pixels < hi:
         below = max(px for px in measured_px if px < pixels)
         above = min(px for px in measured_px if px > pixels)
-        return f"interpolated {side(below)}-{side(above)} px"
+        return f"interpolated {side(below)}-{side(above)} px", 1.0
     near = hi if pixels > hi else lo
-    ratio = pixels / near
-    return f"extrapolated {ratio:.1f}x the pixels of {side(near)} px"
+    reach = max(pixels / near, near / pixels)
+    unsafe = f", beyond the {SAFE_REACH:g}x advise trusts" if reach > SAFE_REACH else ""
+    return f"extrapolated {pixels / near:.1f}x the pixels of {side(near)} px{unsafe}", reach
+
+
+def check_reach(p: Prediction, size) -> None:
+    """--confirm's refusal of a prediction extrapolated beyond SAFE_REACH, naming the sizes
+    whose runs would bring it within reach or make it an interpolation (--force runs it)."""
+    if p.reach <= SAFE_REACH:
+        return
+    h, w = size_hw(parse_size(size))
+    pixels, above = h * w, h * w > p.measured_px[-1]
+    within = math.sqrt(pixels / SAFE_REACH) if above else math.sqrt(pixels * SAFE_REACH)
+    inside = math.sqrt(pixels)
+    what = (f"at {math.ceil(within)} px or more (within {SAFE_REACH:g}x), or above "
+            f"{math.floor(inside)} px (an interpolation)" if above else
+            f"at {math.floor(within)} px or less (within {SAFE_REACH:g}x), or below "
+            f"{math.ceil(inside)} px (an interpolation)")
+    raise ConfigError(f"--confirm: {p.name} at {size_label(parse_size(size))} px is "
+                      f"{p.confidence}: record it {what} first (memstudy run -t ... --size N), "
+                      "or run it anyway with --confirm --force")
 
 
 def _recorded_oom(runs: list[dict], pixels: int, limit: int) -> str | None:
@@ -317,13 +348,20 @@ def confirm_config(p: Prediction, size, budget: str):
 
 
 def confirm(db_path: str | Path, p: Prediction, size, budget: str,
-            progress: Callable[[str], None]) -> str:
-    """Run the candidate in its own process (the grid's run path) and return its outcome."""
-    from memstudy.grid import run_isolated
+            progress: Callable[[str], None], timeout_s: float = CONFIRM_TIMEOUT_S) -> str:
+    """Run the candidate in its own process (the grid's run path) under a time limit, with a
+    progress line every CONFIRM_PROGRESS_S; returns its outcome. A run past the limit is
+    recorded as 'error in timeout', one stopped by Ctrl-C or SIGTERM as 'error in
+    interrupted' (the KeyboardInterrupt goes on to the caller)."""
+    from memstudy.grid import Watch, cells_folder, run_isolated
 
     cfg = confirm_config(p, size, budget)
-    progress(f"confirming {p.name} at {size_label(parse_size(size))} px under {budget}")
-    return run_isolated(cfg, db_path)
+    progress(f"confirming {p.name} at {size_label(parse_size(size))} px under {budget}: at most "
+             f"{timeout_s:.0f} s (--timeout), progress in {cells_folder(db_path)}")
+    watch = Watch(progress, CONFIRM_PROGRESS_S,
+                  f"memstudy advise --budget {budget} --size {size} --confirm --timeout SECONDS",
+                  "advise --confirm was interrupted (Ctrl-C or SIGTERM) and its run killed")
+    return run_isolated(cfg, db_path, timeout_s, watch=watch)
 
 
 def check(db) -> list[dict[str, Any]]:

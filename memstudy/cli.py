@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sqlite3
 import sys
 from pathlib import Path
@@ -139,8 +140,6 @@ def cmd_techniques(args: argparse.Namespace) -> int:
 
 
 def cmd_grid(args: argparse.Namespace) -> int:
-    import signal
-
     from memstudy.grid import cell_table, expand, load_spec, plan_outcomes, run_grid
     from memstudy.grid.claims import parse_retry
     from memstudy.grid.run import check_gpu_needs, check_sharing
@@ -344,6 +343,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if not args.budget or not args.size:
         raise ConfigError("memstudy advise needs --budget and --size, e.g. --budget 8GiB "
                           "--size 4188x3500 (or --check)")
+    check_confirm_args(args)
     check_writable(db)  # advise stores its predictions (and --confirm a run)
     device, preds, skipped = advise.predict_all(db, args.budget, args.size, args.batch_size,
                                                 args.gpu)
@@ -354,13 +354,30 @@ def cmd_advise(args: argparse.Namespace) -> int:
         print(f"not predicted: {name}: {why}")
     if args.confirm:
         top = preds[0]
-        outcome = advise.confirm(db, top, args.size, args.budget, eprint)
+        if not args.force:
+            advise.check_reach(top, args.size)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop it as Ctrl-C does
+        try:
+            outcome = advise.confirm(db, top, args.size, args.budget, eprint,
+                                     args.timeout or advise.CONFIRM_TIMEOUT_S)
+        except KeyboardInterrupt:
+            eprint(f"interrupted: the confirm run of {top.name} was stopped and recorded as "
+                   f"'error in interrupted' in {db}")
+            return 130
         print(f"confirmed {top.name}: {outcome}")
         rows = [r for r in advise.check(db) if r["name"] == top.name]
         if rows:
             print(advise.check_table(rows[-1:]))
         return 0 if outcome == "ok" else 1
     return 0
+
+
+def check_confirm_args(args: argparse.Namespace) -> None:
+    for flag in ("force", "timeout"):
+        if getattr(args, flag) is not None and getattr(args, flag) is not False and not args.confirm:
+            raise ConfigError(f"advise --{flag} applies to --confirm; add --confirm or drop it")
+    if args.timeout is not None and not args.timeout > 0:
+        raise ConfigError(f"advise --timeout {args.timeout:g}: give a positive number of seconds")
 
 
 def add_advise_parser(sub) -> None:
@@ -375,6 +392,10 @@ def add_advise_parser(sub) -> None:
     advise.add_argument("--top", type=int, help="show only the first N sets")
     advise.add_argument("--confirm", action="store_true", help="run the top candidate at the "
                         "size under the budget, record it and show the prediction's error")
+    advise.add_argument("--force", action="store_true", help="with --confirm: run a top "
+                        "candidate extrapolated beyond the reach advise trusts (docs/advise.md)")
+    advise.add_argument("--timeout", type=float, help="with --confirm: its time limit in seconds "
+                        "(default 1800); a run past it is recorded as 'error in timeout'")
     advise.add_argument("--check", action="store_true", help="compare stored predictions with "
                         "the runs recorded after them; predict nothing")
     advise.set_defaults(func=cmd_advise)

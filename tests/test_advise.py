@@ -41,7 +41,8 @@ def test_recorded_runs_overrule_the_line(db):  # noqa: F811
     ckpt = next(p for p in preds if p.name == "checkpoint")
     assert ckpt.confidence == "measured" and ckpt.peak_bytes == 1600 * MB
     far = next(p for p in ranked(db, "8GiB", 2048)[0] if p.name == "amp")
-    assert far.confidence == "extrapolated 4.0x the pixels of 1024 px"
+    assert far.confidence == "extrapolated 4.0x the pixels of 1024 px, beyond the 2x advise trusts"
+    assert far.reach == 4.0 and ranked(db, "8GiB", 1400)[0][0].reach < advise.SAFE_REACH
 
 
 def test_an_impossible_budget_is_refused_naming_the_closest(db, capsys):  # noqa: F811

@@ -13,7 +13,7 @@ with their parent) leaves nothing, and a rerun runs it again. A cell that exceed
 timeout is recorded as status 'error', failed_phase 'timeout'. docs/grid.md has the format.
 """
 from memstudy.grid.cells import (CRASHED, KILLED, CellProcess, cells_folder, record_timeout,
-                                 run_isolated, to_toml, write_cell_config)
+                                 Watch, run_isolated, to_toml, write_cell_config)
 from memstudy.grid.run import GpuSlots, GridResult, run_grid, visible_gpus
 from memstudy.grid.spec import (Cell, GridSpec, cell_config, cell_table, config_hash, expand,
                                 gpus_needed, load_spec, plan_outcomes, product_sets,
@@ -21,5 +21,5 @@ from memstudy.grid.spec import (Cell, GridSpec, cell_config, cell_table, config_
 
 __all__ = ["CRASHED", "KILLED", "Cell", "CellProcess", "GpuSlots", "GridResult", "GridSpec",
            "cell_config", "cell_table", "cells_folder", "config_hash", "expand", "gpus_needed",
-           "load_spec", "plan_outcomes", "product_sets", "record_timeout", "run_grid", "run_isolated", "spec_from_dict",
+           "load_spec", "plan_outcomes", "product_sets", "record_timeout", "run_grid", "run_isolated", "Watch", "spec_from_dict",
            "to_toml", "visible_gpus", "write_cell_config"]

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from memstudy.config import CELL_THREADS_ENV, RunConfig, load_toml
 from memstudy.errors import ConfigError
@@ -164,7 +164,7 @@ class CellProcess:
             pass
         self.proc.wait()
 
-    def finish(self, timed_out: bool = False) -> str:
+    def finish(self, timed_out: bool = False, again: str | None = None) -> str:
         """The cell's outcome: its recorded status (', did not train' added for a run whose loss
         never moved: memstudy.trained), 'timeout' (recorded here), or killed/crashed.
         A recorded run also leaves where the cell's time went in `self.times`."""
@@ -178,7 +178,8 @@ class CellProcess:
             self.times = CellTimes.of_run(db, r, self.started, ended)
             return describe_outcome(r["status"], r["failed_phase"], r["trained"])
         if timed_out:
-            record_timeout(db, self.config, self.hash, self.started, self.gpu)
+            record_timeout(db, self.config, self.hash, self.started, self.gpu,
+                           *([again] if again else []))
             return "error in timeout"
         rc = self.proc.returncode
         return f"{KILLED} by signal {-rc}" if rc < 0 else f"{CRASHED} (exit {rc}, see {self.log_path})"
@@ -209,16 +210,23 @@ def cache_images(configs: list[RunConfig], db_path: str | Path) -> str | None:
 
 
 def record_timeout(db: ResultsDB, config: RunConfig, key: str, started: float,
-                   gpu: str | None) -> None:
+                   gpu: str | None, again: str = "memstudy grid SPEC --retry timeout --timeout "
+                   "SECONDS") -> None:
+    record_stopped(db, config, key, started, gpu, "timeout",
+                   f"cell exceeded its timeout of {time.time() - started:.0f} s and was killed; "
+                   f"run it again with a longer timeout: {again}")
+
+
+def record_stopped(db: ResultsDB, config: RunConfig, key: str, started: float,
+                   gpu: str | None, phase: str, why: str) -> None:
+    """Record a run stopped from outside (`phase` 'timeout' or 'interrupted') as status error:
+    nothing was measured, but the attempt and its cause are on record."""
     info = {"host": os.uname().nodename, "device": config.train.device, "gpu_slot": gpu}
     name = run_name(config)
     config = resolved(copy.deepcopy(config))  # stored like every run: canonical techniques
     db.record(RunRecord(config=config.to_dict(), config_hash=key, name=name,
                         status="error", env=info, started_at=started, label=config.label,
-                        failed_phase="timeout",
-                        error=f"cell exceeded its timeout of {time.time() - started:.0f} s and "
-                              "was killed; run it again with a longer timeout: memstudy grid "
-                              "SPEC --retry timeout --timeout SECONDS"))
+                        failed_phase=phase, error=why))
 
 
 def _last_run_id(db: ResultsDB, key: str) -> int:
@@ -227,16 +235,49 @@ def _last_run_id(db: ResultsDB, key: str) -> int:
 
 
 def run_isolated(config: RunConfig, db_path: str | Path, timeout_s: float | None = None,
-                 gpu: str | None = None, poll_s: float = 0.1) -> str:
-    """Run one configuration in its own process and wait; returns its outcome."""
-    child = CellProcess(config, db_path, gpu)
-    try:
+                 gpu: str | None = None, poll_s: float = 0.1, watch: "Watch | None" = None
+                 ) -> str:
+    """Run one configuration in its own process and wait; returns its outcome. `watch`: a
+    caller's progress lines and how a timeout or an interrupt is recorded (advise --confirm);
+    without it, a timeout names the grid's retry and an interrupted run is not recorded (a
+    grid reruns it)."""
+    child, started = None, time.time()
+    try:  # an interrupt while the child starts (the fork server's imports) is recorded too
+        child = CellProcess(config, db_path, gpu)
+        shown = child.started
         while child.poll() is None:
             if timeout_s is not None and time.time() - child.started > timeout_s:
                 child.kill()
-                return child.finish(timed_out=True)
+                return child.finish(timed_out=True, again=watch.again if watch else None)
+            if watch and time.time() - shown >= watch.every_s:
+                shown = time.time()
+                watch.progress(f"  {shown - child.started:.0f} s: {last_line(child.log_path)}")
             time.sleep(poll_s)
-    except BaseException:
-        child.kill()
+    except BaseException as exc:
+        if child is not None:
+            child.kill()
+        if watch and isinstance(exc, KeyboardInterrupt):
+            record_stopped(ResultsDB(db_path), config, config_hash(config), started, gpu,
+                           "interrupted", watch.interrupted)
         raise
     return child.finish()
+
+
+@dataclass
+class Watch:
+    """What run_isolated tells and records for a caller that waits on one run."""
+    progress: Callable[[str], None]
+    every_s: float  # between progress lines
+    again: str  # the command that runs it with a longer time limit
+    interrupted: str  # the error recorded for a run stopped by Ctrl-C or SIGTERM
+
+
+def last_line(log: Path) -> str:
+    """The last line a cell logged (its progress), or that it has logged nothing yet."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(fh.seek(0, os.SEEK_END) - 4096, 0))
+            lines = [ln for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        lines = []
+    return lines[-1].strip() if lines and not lines[-1].startswith("===") else "starting"

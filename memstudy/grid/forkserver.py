@@ -89,11 +89,16 @@ class ForkServer:
         from memstudy.grid.cells import _child_setup  # dies with the runner
 
         serve_here = "import sys; from memstudy.grid.forkserver import serve; serve(sys.argv[1])"
-        self.proc = subprocess.Popen([sys.executable, "-c", serve_here, self.address],
-                                     stdout=subprocess.PIPE,
-                                     preexec_fn=lambda: _child_setup(parent))
-        ready = self.proc.stdout.readline()  # after the imports
+        try:  # interrupted while it imports (Ctrl-C, SIGTERM): no server or folder left behind
+            self.proc = subprocess.Popen([sys.executable, "-c", serve_here, self.address],
+                                         stdout=subprocess.PIPE,
+                                         preexec_fn=lambda: _child_setup(parent))
+            ready = self.proc.stdout.readline()  # after the imports
+        except BaseException:
+            self.close()
+            raise
         if ready.strip() != b"ready":
+            self.close()
             raise RuntimeError(f"the grid's fork server did not start (exit {self.proc.poll()})")
 
     def popen(self, argv: list[str], env: dict[str, str], log: str | Path) -> ForkedCell:
@@ -118,9 +123,10 @@ class ForkServer:
         return json.loads(reply)["workers_ok"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        proc = getattr(self, "proc", None)  # None: interrupted before the server started
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
         for path in (Path(self.address), self.folder):
             try:
                 path.rmdir() if path.is_dir() else path.unlink()
