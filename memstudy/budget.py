@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from memstudy.bytesize import mb
+from memstudy.bytesize import mb, size_text
 from memstudy.config import budget_size
 from memstudy.errors import ConfigError
 
@@ -119,7 +119,7 @@ def recap_after_warmup(budget: str | None, device: torch.device) -> dict[str, An
 
 def check_device_total(limit: int, total: int, name: str) -> None:
     if limit > total:
-        raise ConfigError(f"budget {mb(limit):.0f} MB exceeds the {mb(total):.0f} MB of the "
+        raise ConfigError(f"budget {size_text(limit)} exceeds the {mb(total):.0f} MB of the "
                           f"{name}; lower --budget to at most {mb(total):.0f}MiB or drop it")
 
 
@@ -131,16 +131,16 @@ def check_floor(limit: int, context: int, parameter_bytes: int, how: str) -> Non
     parts = ([f"the CUDA context ({mb(context):.0f} MB, {how})"] if context else []) + (
         [f"the model's parameters ({mb(parameter_bytes):.0f} MB)"] if parameter_bytes else [])
     held = " plus ".join(parts) or "anything"
-    raise ConfigError(f"budget {mb(limit):.0f} MB cannot hold {held}, before any activation; "
+    raise ConfigError(f"budget {size_text(limit)} cannot hold {held}, before any activation; "
                       f"raise --budget above {mb(floor):.0f}MiB")
 
 
 def allocator_fraction(limit: int, context: int, total: int) -> float:
     """The allocator's share of the device that leaves `limit` bytes in all, context included."""
     if limit > total:
-        raise ConfigError(f"budget {mb(limit):.0f} MB exceeds the GPU's {mb(total):.0f} MB; "
+        raise ConfigError(f"budget {size_text(limit)} exceeds the GPU's {mb(total):.0f} MB; "
                           "lower budget or drop it")
     if limit <= context:
-        raise ConfigError(f"budget {mb(limit):.0f} MB does not even hold the CUDA context "
+        raise ConfigError(f"budget {size_text(limit)} does not even hold the CUDA context "
                           f"({mb(context):.0f} MB measured by NVML); raise budget")
     return (limit - context) / total

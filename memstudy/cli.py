@@ -172,7 +172,10 @@ def cmd_grid(args: argparse.Namespace) -> int:
     print(f"stored in {args.db}")
     for line in rerun_advice(result.outcomes, args):
         eprint(line)
-    return 1 if result.unrecorded else 0
+    if result.failed:  # exit 1 (docs/grid.md): a script must not take the grid for complete
+        eprint(f"{len(result.failed)} of the {len(result.ran)} cells run here ended in error, "
+               "timeout or without a record; exit status 1")
+    return 1 if result.failed else 0
 
 
 def rerun_advice(outcomes: dict[int, str], args: argparse.Namespace) -> list[str]:

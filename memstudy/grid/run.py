@@ -28,6 +28,18 @@ class GridResult:
     def unrecorded(self) -> list[int]:
         return [i for i, o in self.outcomes.items() if o.startswith((KILLED, CRASHED))]
 
+    @property
+    def failed(self) -> list[int]:
+        """Cells this invocation ran that ended in error (a timeout included) or left no record;
+        an oom or a divergence is a measurement, not a failure."""
+        return [i for i, o in self.outcomes.items() if o.startswith("error")] + self.unrecorded
+
+    @property
+    def ran(self) -> list[int]:
+        """Cells this invocation ran (not invalid, recorded earlier or run by another runner)."""
+        return [i for i, o in self.outcomes.items()
+                if not o.startswith(("invalid", "recorded earlier", ELSEWHERE))]
+
 
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries for the children."""
