@@ -13,6 +13,7 @@ from memstudy.errors import ConfigError, MemstudyError
 from memstudy.phases import TRAIN_PHASES
 from memstudy.console import eprint
 from memstudy.techniques import check_early
+from memstudy.sizes import check_input_fits, parse_size
 from memstudy.store import RANK_MAX, RANK_MEAN, ResultsDB, check_writable, default_db_path
 from memstudy.text_table import phase_table
 from memstudy.trained import describe, loss_ranges
@@ -63,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     check_early(cfg)  # config, size, technique and file errors before torch is imported
+    check_input_fits(cfg.train.image_size, cfg.train.batch_size)  # refused, never recorded
     check_writable(args.db)  # before anything trains: a run that cannot be stored is lost
     from memstudy.launch import launched_by_torchrun, run_distributed
     from memstudy.runner import execute
@@ -120,6 +122,8 @@ def summarize(rec) -> str:
                      "(the reports leave this run's times out; its allocator figures are its own)")
     for e in rec.epochs:
         val = f" val loss {e['val_loss']:.4f}" if e.get("val_loss") is not None else ""
+        if e.get("val_dice") is not None:  # segmentation (train.task): its validation figures
+            val += f" Dice {e['val_dice']:.4f} IoU {e['val_iou']:.4f}"
         tl = f"{e['train_loss']:.4f}" if e.get("train_loss") is not None else "-"
         lines.append(f"epoch {e['epoch'] + 1}: train loss {tl}{val} ({e['time_s']:.1f} s)")
     return "\n".join(lines)
@@ -225,6 +229,7 @@ def cmd_maxres(args: argparse.Namespace) -> int:
         raise ConfigError("memstudy maxres needs --budget, e.g. --budget 8GiB")
     sets = [split_techniques(s) for s in args.sets] if args.sets else [cfg.techniques]
     fit = [int(s) for s in args.fit_sizes.split(",")]
+    check_input_fits(args.max_size, cfg.train.batch_size, "maxres --max-size")
     check_writable(args.db)
     results = search_all(cfg, sets, args.db, fit_sizes=fit, max_size=args.max_size,
                          timeout_s=args.timeout, progress=None if args.quiet else eprint,
@@ -357,6 +362,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
         print(f"not predicted: {name}: {why}")
     if args.confirm:
         top = preds[0]
+        check_input_fits(parse_size(args.size, "--size"), args.batch_size, "advise --size")
         if not args.force:
             advise.check_reach(top, args.size)
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop it as Ctrl-C does

@@ -247,7 +247,7 @@ class RunConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         check_size_source(self.train.image_size, self.data.source, self.data.resize)
-        self.model.check(getattr(self.train, "task", "enhance"))
+        self.model.check(self.train.task)
         if self.train.task == "segment":
             check_segment_classes(self.model.classes, self.data.source)
         if self.budget is not None:

@@ -41,9 +41,12 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(height: int, width: int, dtype: torch.dtype, tiling: dict | None, batch: int = 1,
-               encoder: str = "resnet34"):
-    """One step; returns everything the comparison checks, as plain tensors."""
-    model = build_unet(seed=0, network=ModelConfig(encoder=encoder)).to(dtype).train()
+               encoder: str = "resnet34", classes: int = 1):
+    """One step; returns everything the comparison checks, as plain tensors. classes > 1: the
+    segmentation network (per-pixel class logits, no sigmoid)."""
+    network = ModelConfig(encoder=encoder, classes=classes)
+    model = build_unet(seed=0, network=network, task="segment" if classes > 1 else "enhance")
+    model = model.to(dtype).train()
     if tiling is not None:
         model.forward_padded = TiledForward(model, **tiling)
     x, y = _batch(height, width, dtype, batch)
@@ -120,6 +123,15 @@ def test_tiled_step_equals_untiled_float64_every_encoder(encoder, layer1):
     plain = untiled_step(128, 96, torch.float64, 2, encoder)
     assert_exact(train_step(128, 96, torch.float64, tiling, 2, encoder), plain,
                  TOL[torch.float64])
+
+
+def test_tiled_segmentation_step_equals_untiled_float64():
+    """The segmentation head: three channels of logits, no sigmoid."""
+    plain = train_step(96, 128, torch.float64, None, 2, "resnet18", classes=3)
+    tiled = train_step(96, 128, torch.float64, {"levels": 3, "tiles": 3, "layer1": "blocks"}, 2,
+                       "resnet18", classes=3)
+    assert plain["out"].shape[1] == 3 and plain["out"].min() < 0  # logits, not a sigmoid
+    assert_exact(tiled, plain, TOL[torch.float64])
 
 
 @pytest.mark.parametrize("encoder", ["resnet50", "resnext50_32x4d"])

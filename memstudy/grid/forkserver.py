@@ -208,15 +208,15 @@ def _fill_share(data: list[dict], share: int, workers: int) -> None:
     """In a worker: the images whose running number is `share` modulo `workers`."""
     from memstudy.config import from_dict
     from memstudy.datasets import build_datasets
-    from memstudy.quality import min_image_size
+    from memstudy.quality import min_side
 
     number = 0
     for entry in data:
         config = from_dict(entry["config"])
         config.data.cache_dir = config.data.cache_dir or entry["cache"]  # the cells' own folder
         for dataset in build_datasets(config.data, config.train.image_size,
-                                      config.train.batch_size,
-                                      min_image_size(config.train.msssim_scales)):
+                                      config.train.batch_size, min_side(config.train),
+                                      task=config.train.task, classes=config.model.classes):
             for index in range(len(dataset)):
                 if number % workers == share:
                     dataset[index]  # made and cached on disk, or already there

@@ -17,4 +17,4 @@ def build_model(config, weights: bool = True) -> nn.Module:
     if network.factory:
         return build_factory_model(network, seed)
     return build_unet(config.encoder_weights if weights else None, seed=seed, network=network,
-                      task=getattr(config.train, "task", "enhance"))
+                      task=config.train.task)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memstudy.errors import ConfigError
-from memstudy.quality import min_image_size
+from memstudy.quality import min_side
 from memstudy.techniques import get_technique, register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 
@@ -71,9 +71,9 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError("tri_accel with precision, curvature and elastic all off does nothing; "
                           "switch one on or drop tri_accel")
     _check_numbers(opts)
-    need = min_image_size(plan.config.train.msssim_scales)
+    need = min_side(plan.config.train)
     if opts.curv_crop and opts.curv_crop < need:
-        raise ConfigError(f"tri_accel:curv_crop={opts.curv_crop} is below the {need} px MS-SSIM "
+        raise ConfigError(f"tri_accel:curv_crop={opts.curv_crop} is below the {need} px the loss "
                           "needs; raise it or use curv_crop=0 (full image)")
     cpu = plan.device.type != "cuda"
     if opts.precision and opts.low == "fp16" and cpu:
