@@ -73,6 +73,7 @@ class MaxresResult:
     error: str | None = None
     max_size: int | None = None  # the search's upper end: found_px == max_size is a lower bound
     ceiling: int | None = None  # where a kernel limit, not memory, lowered that end (px)
+    network: str = ""  # the network and task searched ('resnet34 U-Net, enhance')
 
     def at_found(self) -> Probe | None:
         return next((p for p in self.probes if p.size == self.found_px and p.status == "ok"), None)
@@ -227,7 +228,8 @@ def maxres(template: RunConfig, techniques: list[str], db_path: str | Path,
     if limit is None:
         raise ConfigError("maxres needs a budget; set budget (--budget 8GiB)")
     result = MaxresResult(run_name(probe_config(template, techniques, 0)), list(techniques),
-                          str(template.budget), limit, sorted(fit_sizes))
+                          str(template.budget), limit, sorted(fit_sizes),
+                          network=f"{template.model.describe()}, {template.train.task}")
     prober = Prober(template, techniques, db_path, isolate, timeout_s, progress)
     try:
         fitted = [prober.run(s) for s in result.fit_sizes]
@@ -329,8 +331,8 @@ def maxres_table(results: list[MaxresResult]) -> str:
     rows = []
     for r in results:
         at = r.at_found()
-        rows.append([r.name, r.budget, r.predicted_px, r.found_px,
+        rows.append([r.name, r.network, r.budget, r.predicted_px, r.found_px,
                      mb(at.peak_bytes) if at and at.peak_bytes else None,
                      at.step_time_s if at else None, len(r.probes), r.error or _note(r)])
-    return format_table(["techniques", "budget", "predicted px", "found px", "peak MB",
-                         "step s", "probes", "note"], rows)
+    return format_table(["techniques", "network", "budget", "predicted px", "found px",
+                         "peak MB", "step s", "probes", "note"], rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from memstudy.errors import ConfigError
-from memstudy.maxres import fit_line, maxres, predict_px, search, search_all, store_result
+from memstudy.maxres import maxres_table, fit_line, maxres, predict_px, search, search_all, store_result
 from memstudy.report import largest_size, memory_vs_resolution
 from memstudy.store import ResultsDB
 
@@ -61,6 +61,8 @@ def test_prediction_and_search_agree_on_the_cpu(make_config, tmp_path):
     assert (row["found_px"], row["predicted_px"], row["budget"]) == (256, result.predicted_px, "424MiB")
     assert row["peak_mb"] < 424 and row["step_time_s"] > 0
     assert {r["image_size"] for r in memory_vs_resolution(db)} == {192, 256, 320}
+    assert result.network == "resnet34 U-Net, enhance"  # the table names what was searched
+    assert "resnet34 U-Net, enhance" in maxres_table([result])
 
 
 @pytest.mark.parametrize("device, sets, named", [
