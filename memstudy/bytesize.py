@@ -39,5 +39,7 @@ def size_text(nbytes: int | float) -> str:
     for unit, scale in _BINARY:
         if nbytes >= scale:
             value = nbytes / scale
-            return f"{value:g}{unit}" if value == int(value) else f"{value:.4g}{unit}"
+            if value == int(value) or value >= 1000:  # whole, or too large for decimals
+                return f"{value:.0f}{unit}"
+            return f"{value:.4g}{unit}"
     return f"{int(nbytes)}B"

@@ -95,3 +95,33 @@ def size_sort_key(size: Size) -> tuple[int, int, int]:
     if hw is None:
         return (1, 0, 0)
     return (0, hw[0] * hw[1], hw[0])
+
+
+INPUT_BYTES_PER_PIXEL = 4  # float32, one channel: the least an input image takes in memory
+
+
+def host_memory_bytes() -> int | None:
+    """This host's physical memory (None where the OS does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_input_fits(size: Size, batch_size: int, setting: str = "train.image_size") -> None:
+    """Refuse, before anything is built or recorded, a size whose input batch alone (float32,
+    one channel: a lower bound, targets and activations come on top) exceeds this host's
+    memory: every image is made or read there first, whatever the device trains on."""
+    hw = size_hw(size)
+    have = host_memory_bytes()
+    if hw is None or not have:
+        return
+    need = hw[0] * hw[1] * batch_size * INPUT_BYTES_PER_PIXEL
+    if need > have:
+        from memstudy.bytesize import size_text
+
+        raise ConfigError(f"{setting} {size_label(size)}: one batch's input alone takes "
+                          f"{size_text(need)} (float32, batch {batch_size}), more than this "
+                          f"host's {size_text(have)} of memory; choose a smaller size")

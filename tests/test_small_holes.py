@@ -24,3 +24,30 @@ def test_a_grid_whose_cell_timed_out_exits_1_and_says_how_many(tmp_path, capsys,
 def test_a_budget_of_1kb_is_named_as_written(tmp_path, capsys):
     assert main(["--db", str(tmp_path / "r.sqlite"), *RUN, "--budget", "1KB"]) == 2
     one_error_line(capsys.readouterr().err, "budget 1KiB cannot hold")
+
+
+def test_a_size_whose_input_alone_exceeds_the_host_is_refused_and_never_recorded(
+        tmp_path, capsys, monkeypatch):
+    """--size 99999999 used to be recorded as an error run ('Unable to allocate 8.88 PiB');
+    here the host holds 1 GiB, so 32768 px (4 GiB of float32 input) cannot even be made."""
+    import memstudy.maxres
+    import memstudy.runner
+    import memstudy.sizes
+    from memstudy.grid import expand, load_spec
+
+    def built(*args, **kwargs):
+        raise AssertionError("a run was started for a size whose input cannot be made")
+    monkeypatch.setattr(memstudy.runner, "execute", built)
+    monkeypatch.setattr(memstudy.maxres, "search_all", built)
+    monkeypatch.setattr(memstudy.sizes, "host_memory_bytes", lambda: 2**30)
+    db = tmp_path / "r.sqlite"
+    huge = ["--size", "32768", "--steps", "1", "--device", "cpu", "--set", "data.train_images=1",
+            "--set", "data.val_images=1", "--set", "train.warmup_steps=0", "-q"]
+    assert main(["--db", str(db), "run", *huge]) == 2
+    one_error_line(capsys.readouterr().err, "train.image_size 32768", "4GiB", "1GiB")
+    assert main(["--db", str(db), "maxres", "--budget", "1GiB", "--device", "cpu",
+                 "--max-size", "32768"]) == 2
+    one_error_line(capsys.readouterr().err, "maxres --max-size 32768")
+    (cell,) = expand(load_spec(write_spec(tmp_path, [32768])))  # a grid never runs it
+    assert cell.error and cell.error.startswith("train.image_size 32768")
+    assert not db.exists() or ResultsDB(db).runs() == []

@@ -11,7 +11,7 @@ from memstudy.bytesize import ByteSize
 from memstudy.config import RunConfig, from_dict, read_toml, split_techniques
 from memstudy.errors import ConfigError
 from memstudy.runner import resolved, run_name
-from memstudy.sizes import parse_size
+from memstudy.sizes import check_input_fits, parse_size
 from memstudy.typecheck import check_fields
 
 SPEC_KEYS = {"name", "techniques", "product", "image_sizes", "batch_sizes", "seeds", "world_sizes",
@@ -128,6 +128,7 @@ def expand(spec: GridSpec) -> list[Cell]:
         cell = Cell(index=len(cells) + 1, config=cfg)
         try:
             cell.gpus = make_plan(copy.deepcopy(cfg)).gpus_needed()
+            check_input_fits(cfg.train.image_size, cfg.train.batch_size)  # never a run
             if cfg.data.source == "synthetic":  # a folder's size is known only once it is read
                 check_measurable(cfg, cfg.data.train_images)
             cell.hash = config_hash(cfg)
