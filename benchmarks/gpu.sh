@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run: GPU tests, then the benchmarks named in $1
-# (default: all single-GPU ones). Logs and result files go to $OUT (default ./gpu-out),
-# then results/ is packed into $OUT/results.tgz (at most 8 files come back from a remote GPU machine).
+# (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
+# then are packed into one archive, $OUT/results.tgz.
 #
 #   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [networks] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu]
 #
-# A step may carry a time limit in seconds ("maxres:240"); results are packed even when one runs out.
+# A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
 # OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS / PAPER_ARGS / PAPER2_ARGS (e.g. "--sizes 2048")
-# replace a benchmark's arguments. Missing pure-Python packages travel as wheels in .whl/ (see benchmarks/BENCHMARKS.md).
+# replace a benchmark's arguments.
+#
+# RESUME=folder   resume earlier results: its *.sqlite are copied into the results folder and
+#                 its subfolders' *.sqlite into the results subfolder of the same name
+#                 (e.g. RESUME/compile/compile.sqlite for the compile steps), so the cells they
+#                 hold are skipped.
+# WHEELS=folder   offline install (default .whl when present): where the project's
+#                 dependencies do not import, the wheels in this folder are installed without
+#                 an index, into $WHEELS_SITE (default $TMPDIR/memstudy-wheels), put first on
+#                 PYTHONPATH, so the Python environment itself is left as it is. WHEELS/tune
+#                 holds Propulate and MPI for `memstudy tune` (benchmarks/tune_env.sh). How to
+#                 fill them: benchmarks/BENCHMARKS.md, "Reproduce".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -16,25 +27,25 @@ RES="$OUT/results"
 mkdir -p "$RES"
 export PYTHONUNBUFFERED=1 MEMSTUDY_CACHE="${MEMSTUDY_CACHE:-/tmp/memstudy-cache}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ] && ! python3 -c "import segmentation_models_pytorch, pytorch_msssim, momentumnet" 2>/dev/null; then
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+[ -z "${WHEELS:-}" ] || [ -d "$WHEELS" ] || { echo "WHEELS=$WHEELS is not a folder"; exit 1; }
+export WHEELS="${WHEELS:-.whl}"
+if [ -d "$WHEELS" ] && ! python3 -c "import segmentation_models_pytorch, pytorch_msssim, momentumnet" 2>/dev/null; then
+    WHEELS_SITE="${WHEELS_SITE:-${TMPDIR:-/tmp}/memstudy-wheels}"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+        --target "$WHEELS_SITE" "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH="$WHEELS_SITE:$PYTHONPATH"
 fi
 PY=python3
 nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
 $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))" | tee "$RES/env.txt"
 
-# Carried databases are resumed (recorded cells are skipped): .carry/*.sqlite
-# into $RES, .carry/<dir>/*.sqlite into $RES/<dir> (e.g. .carry/compile/compile.sqlite for the
-# compile steps; .carry/dist is $RES/distributed, its old name).
-if [ -d .carry ]; then
-    cp .carry/*.sqlite "$RES/" 2>/dev/null
-    for dir in .carry/*/; do
+if [ -n "${RESUME:-}" ]; then  # earlier databases: their recorded cells are skipped
+    [ -d "$RESUME" ] || { echo "RESUME=$RESUME is not a folder"; exit 1; }
+    cp "$RESUME"/*.sqlite "$RES/" 2>/dev/null
+    for dir in "$RESUME"/*/; do
         [ -d "$dir" ] || continue  # no subfolder: the pattern itself
-        name=$(basename "$dir"); [ "$name" = dist ] && name=distributed
+        name=$(basename "$dir")
         mkdir -p "$RES/$name" && cp "$dir"*.sqlite "$RES/$name/" 2>/dev/null
     done
 fi
@@ -55,11 +66,11 @@ for item in $STEPS; do
         # fit sizes where activations dominate: at 256-512 px the prediction was noise, docs/report.md)
         maxres-compile) $PY -m memstudy --db "$RES/maxres-compile.sqlite" maxres --device cuda --budget 8GiB --step 256 --max-size 8192 ${MAXRESCOMPILE_ARGS:---sets amp:bf16,compile:memory_budget=0.5,allocator:expandable_segments=true --fit-sizes 2048,3072} 2>&1 | tee "$RES/maxres-compile.log" ;;
         accumulate) $PY benchmarks/bench_accumulate.py --out "$RES/accumulate" ${ACCUMULATE_ARGS:-} 2>&1 | tee "$RES/accumulate.log" ;;
-        # Propulate + MPI from .whl/tune (benchmarks/tune_env.sh); the ranking is written even when the limit cuts the search
+        # Propulate + MPI, installed or from $WHEELS/tune (benchmarks/tune_env.sh); the ranking is written even when the limit cuts the search
         tune-triaccel) . benchmarks/tune_env.sh; $PY -m memstudy --db "$RES/tune-triaccel.sqlite" tune benchmarks/specs/tune-triaccel.toml 2>&1 | tee "$RES/tune-triaccel.log"
             python3 -m memstudy --db "$RES/tune-triaccel.sqlite" tune benchmarks/specs/tune-triaccel.toml --best 10 2>&1 | tee "$RES/tune-triaccel.md" ;;
         triaccel) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel" ${TRIACCEL_ARGS:-} 2>&1 | tee "$RES/triaccel.log" ;;
-        # the ablation again with the best trial of tune-triaccel (run that step first, in the same run or carried in .carry/)
+        # the ablation again with the best trial of tune-triaccel (run that step first, in the same run or resumed with RESUME)
         triaccel-tuned) $PY benchmarks/bench_triaccel.py --out "$RES/triaccel-tuned" --parts ablation --tuned "$RES/tune-triaccel.sqlite" ${TRIACCELTUNED_ARGS:-} 2>&1 | tee "$RES/triaccel-tuned.log" ;;
         kernels) $PY benchmarks/bench_kernels.py --out "$RES/kernels" 2>&1 | tee "$RES/kernels.log" ;;
         bnlag) $PY benchmarks/bench_bn_lag.py --out "$RES/bnlag" ${BNLAG_ARGS:---size 2048 --steps 24 --precisions fp32,fp16} 2>&1 | tee "$RES/bnlag.log" ;;
@@ -72,13 +83,13 @@ for item in $STEPS; do
         native) $PY benchmarks/bench_native.py --out "$RES/native" 2>&1 | tee "$RES/native.log" ;;
         lowrank) $PY benchmarks/bench_lowrank.py --out "$RES/lowrank" ${LOWRANK_ARGS:-} 2>&1 | tee "$RES/lowrank.log" ;;
         daso) $PY benchmarks/bench_daso_ab.py --out "$RES/daso" ${DASO_ARGS:-} 2>&1 | tee "$RES/daso.log" ;;  # needs 2 GPUs
-        # tile / ladder databases sit in $RES itself, so .carry/*.sqlite resumes them
+        # tile / ladder databases sit in the results folder itself, so RESUME's *.sqlite resumes them
         tile) $PY benchmarks/bench_tile.py --out "$RES" ${TILE_ARGS:---sizes 2048 --tiles 4,8} 2>&1 | tee -a "$RES/tile.log" ;;
         tile-4188) $PY benchmarks/bench_tile.py --out "$RES" ${TILE4188_ARGS:---sizes 4188 --tiles 8,16} 2>&1 | tee -a "$RES/tile.log" ;;
         ladder) $PY benchmarks/bench_ladder.py --part ladder --out "$RES" ${LADDER_ARGS:---budgets 4GiB --step 256} 2>&1 | tee -a "$RES/ladder.log" ;;
         tile-sweeps) $PY benchmarks/bench_tile_sweeps.py --out "$RES" ${TILESWEEPS_ARGS:---size 4188 --tiles 8,16 --profile} 2>&1 | tee -a "$RES/tile-sweeps.log" ;;
         tile-native) $PY benchmarks/bench_ladder.py --part native --out "$RES" ${TILENATIVE_ARGS:-} 2>&1 | tee -a "$RES/ladder.log" ;;
-        # issue 23's two targets in one step: the 4 GiB set at 4188 px beside the tuned step, and the
+        # both step-time targets in one step: the 4 GiB set at 4188 px beside the tuned step, and the
         # 8 GiB set at 8192 px, each run twice (their step times spread between runs: BENCHMARKS.md),
         # with the kernel attribution of each profiled step (docs/metrics.md, "Step profile") and, at
         # 4188 px, where the allocator released its cache to make room (MEMSTUDY_ALLOC_TRACE)

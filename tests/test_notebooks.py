@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")  # test extra: absent on the GPU machine's image
+nbformat = pytest.importorskip("nbformat")  # the test extra; skipped where it is not installed
 NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
 from memstudy.maxres import maxres, store_result
