@@ -158,15 +158,26 @@ def test_sqrt_units_and_regions():
 
 
 @pytest.mark.parametrize("spec, fragment", [
-    ("checkpoint:diagonal", "['block', 'sqrt', 'selective']"),
+    ("checkpoint:diagonal", "['block', 'sqrt', 'selective', 'modules']"),
     ("checkpoint:block:segments=3", "placement=sqrt"),
-    ("checkpoint:sqrt:segments=23", "1..22"),
+    ("checkpoint:sqrt:segments=23", "1..22, the resnet34 U-Net's units"),
     ("checkpoint:sqrt:segments=-1", "segments=-1"),
+    ("checkpoint:block:modules=down", "modules applies only to placement=modules"),
 ])
 def test_checkpoint_option_errors(spec, fragment):
     with pytest.raises(ConfigError) as err:
         make_plan(small_config(techniques=[spec]))
     assert fragment in str(err.value)
+
+
+def test_sqrt_segments_are_bounded_by_the_configured_encoders_units():
+    """ResNet-18's U-Net has 1 + 8 + 5 = 14 units: 15 segments are refused, 14 accepted."""
+    config = small_config(techniques=["checkpoint:sqrt:segments=15"])
+    config.model.encoder = "resnet18"
+    with pytest.raises(ConfigError, match="1..14, the resnet18 U-Net's units"):
+        make_plan(config)
+    config.techniques = ["checkpoint:sqrt:segments=14"]
+    make_plan(config)
 
 
 @pytest.fixture(scope="module")
