@@ -116,6 +116,9 @@ def summarize(rec) -> str:
     if "nvml_peak_total_bytes" in run:
         lines.append(f"peak allocated {mb(run['alloc_peak_total_bytes']):.1f} MB | NVML device used "
                      f"peak {mb(run['nvml_peak_total_bytes']):.1f} MB (CUDA context included)")
+    if "host_peak_bytes" in run:
+        lines.append(f"host memory peak {mb(run['host_peak_bytes']):.1f} MB (the process's "
+                     "resident set)")
     if others := run.get("gpu_other_processes"):
         lines.append(f"the GPU was shared: {others:.0f} other process(es) held a CUDA context on it "
                      "during the run, so its times, energy and NVML peak include their work "

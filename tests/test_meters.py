@@ -1,4 +1,6 @@
 """The meters measure what docs/metrics.md says, checked against independent counts."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -312,3 +314,24 @@ def test_out_of_memory_is_recorded_with_the_phase_it_happened_in(make_config, mo
     assert f"injected in {phase}" in rec.error
     rows = db.runs()
     assert [(r["status"], r["failed_phase"]) for r in rows] == [("ok", None), ("oom", phase)]
+
+
+def test_host_peak_follows_what_the_process_holds():
+    """host_peak_bytes: the process's peak resident set. Holding 256 MiB more than the peak so
+    far (earlier tests in this worker may have set it) raises it by about that much."""
+    import os
+
+    import numpy as np
+
+    from memstudy.meters.recorder import host_peak_bytes
+
+    statm = Path("/proc/self/statm")
+    if not statm.exists():
+        pytest.skip("needs /proc (Linux) to read the resident set now")
+    before = host_peak_bytes()
+    resident = int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    block = np.ones(int(before - resident + 256 * 2**20) // 8)  # written, so resident
+    after = host_peak_bytes()
+    assert after - before > 200 * 2**20, (before, resident, after)
+    del block
+    assert host_peak_bytes() >= after

@@ -11,7 +11,9 @@ plain and measured steps gives the meters' own overhead. docs/metrics.md defines
 """
 from __future__ import annotations
 
+import resource
 import statistics
+import sys
 import time
 import weakref
 from collections import defaultdict
@@ -304,9 +306,18 @@ class PhaseRecorder:
             run["nvml_peak_total_bytes"] = max(nvml)
         if self.cuda:  # near a budget the allocator frees its cache and retries: slow steps
             run["alloc_retries"] = alloc_retries(self.device)
+        run["host_peak_bytes"] = host_peak_bytes()
         if self.neighbours is not None and self.neighbours.most is not None:
             run["gpu_other_processes"] = self.neighbours.most
         return run
+
+
+def host_peak_bytes() -> float:
+    """The process's peak resident host memory so far (getrusage's ru_maxrss: KiB on Linux,
+    bytes on macOS): what the host held beside the device at the run's busiest, pinned
+    offload buffers, data and the libraries included."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def _param_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
