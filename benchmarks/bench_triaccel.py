@@ -140,12 +140,12 @@ def main() -> int:
 
 def tuned_options(args) -> str:
     """':tau_low=..:tau_high=..:tau_curv=..' of the best recorded trial of --tune-spec in --tuned."""
-    from memstudy.tune import load_spec
+    from memstudy.tune import load_tune_spec
     from memstudy.tune.results import best_trials
 
     if not args.tuned.is_file():
         sys.exit(f"--tuned {args.tuned}: no such database (run gpu.sh step tune-triaccel first)")
-    best = best_trials(load_spec(args.tune_spec), ResultsDB(args.tuned))
+    best = best_trials(load_tune_spec(args.tune_spec), ResultsDB(args.tuned))
     if not best or best[0]["status"] != "ok":
         sys.exit(f"--tuned {args.tuned}: no successful recorded trial of {args.tune_spec}")
     args.tuned_run = best[0]["run_id"]

@@ -430,12 +430,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from memstudy.tune import load_spec
+    from memstudy.tune import load_tune_spec
     from memstudy.tune.search import run_tune
 
     # refuses a bad spec before any trial runs; reading a recorded search (--best) plans
     # nothing on the spec's device, so a GPU search can be read on any machine
-    spec = load_spec(args.spec, plan_corners=args.best is None)
+    spec = load_tune_spec(args.spec, plan_corners=args.best is None)
     if args.check:
         print(f"spec ok: {len(spec.space)} setting(s) searched: {', '.join(spec.space)}")
         return 0

@@ -8,6 +8,7 @@ MS-SSIM's clamp is ok as a measurement but did not train).
 """
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import random
@@ -52,6 +53,12 @@ def resolved(config: RunConfig) -> RunConfig:
     resolve_run_settings(config)  # before the device's defaults fill what is still unset
     config.train.resolve_tuning()
     return config
+
+
+def config_hash(config: RunConfig) -> str:
+    """The hash a run of `config` is recorded under (techniques in canonical form, run settings
+    resolved): grids, maxres probes and tune trials find their records by it."""
+    return resolved(copy.deepcopy(config)).hash()
 
 
 def seed_everything(seed: int) -> None:

@@ -76,7 +76,7 @@ class TuneSpec:
     islands: int = 1
 
 
-def load_spec(path: str, plan_corners: bool = True) -> TuneSpec:
+def load_tune_spec(path: str, plan_corners: bool = True) -> TuneSpec:
     raw = read_toml(path, "tune spec")
     return parse_spec(raw, plan_corners)
 
@@ -209,12 +209,6 @@ def trial_config(spec: TuneSpec, params: dict[str, Any]) -> RunConfig:
     return cfg
 
 
-def config_hash(cfg: RunConfig) -> str:
-    from memstudy.runner import resolved
-
-    return resolved(copy.deepcopy(cfg)).hash()
-
-
 def search_limits(spec: TuneSpec) -> dict[str, tuple]:
     """The space as Propulate sees it: log ranges as (log10 low, log10 high)."""
     return {k: ((math.log10(v[0]), math.log10(v[1])) if isinstance(v, LogRange) else v)
@@ -288,7 +282,7 @@ class Trials:
         return self.evaluate(params)
 
     def evaluate(self, params: dict[str, Any]) -> float:
-        from memstudy.runner import execute
+        from memstudy.runner import config_hash, execute
 
         cfg = trial_config(self.spec, params)
         if self.device is not None:

@@ -11,8 +11,8 @@ import json
 from typing import Any
 
 from memstudy.bytesize import parse_bytes
-from memstudy.tune import (SETTING_SECTIONS, TUNE_LABEL, TuneSpec, config_hash, fitness,
-                           recorded_figures, trial_config)
+from memstudy.tune import (SETTING_SECTIONS, TUNE_LABEL, TuneSpec, fitness, recorded_figures,
+                           trial_config)
 
 
 def stored_params(spec: TuneSpec, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -63,6 +63,8 @@ def best_trials(spec: TuneSpec, db) -> list[dict[str, Any]]:
 
 
 def _belongs(spec: TuneSpec, params: dict[str, Any], config: dict[str, Any], digest: str) -> bool:
+    from memstudy.runner import config_hash  # torch: only when trials are read back
+
     cfg = trial_config(spec, params)
     cfg.train.device = config["train"]["device"]
     return config_hash(cfg) == digest
