@@ -66,6 +66,8 @@ def test_unpack_restores_values_in_fresh_storage_and_keeps_layout():
                                                          packed.untyped_storage().data_ptr())
     plain = torch.randn(3)
     assert off.unpack(plain) is plain  # never offloaded: passed through
+    assert off.restored_bytes == t.nbytes  # one copy back, counted host -> device
+    assert off.transfer_stats["h2d_bytes"] == off.transfer_stats["d2h_bytes"] == t.nbytes
 
 
 
@@ -80,9 +82,15 @@ def model_and_plain_grads():
 def test_gradients_are_identical_with_offload(model_and_plain_grads):
     model, x, plain, saved = model_and_plain_grads
     off = Offloader(CPU, CPU, min_bytes=16 * 1024)
+    brought = []  # the size of every copy back
+    copy_back = off._copy_back
+    off._copy_back = lambda host, *rest: brought.append(host.nbytes) or copy_back(host, *rest)
     offloaded = hooked_grads(model, x, (off.pack, off.unpack))
     assert 0.95 * saved < off.offloaded_bytes <= saved  # 51.8 of 52.0 MiB at 192 px, 64 KiB
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+    # host -> device: every copy back counted; a copy shared by saved tensors whose uses are
+    # far apart comes back again, so more than went out
+    assert off.stats["h2d_bytes"] == off.restored_bytes == sum(brought) > off.offloaded_bytes
 
 
 @pytest.mark.parametrize("prefetch", [1, 4])
@@ -95,6 +103,8 @@ def test_prefetch_keeps_gradients_identical_and_bounds_what_is_in_flight(model_a
         assert all(torch.equal(a, b) for a, b in zip(plain, grads))
     stats = off.stats
     assert stats["max_in_flight"] == prefetch
+    # each copy of both steps came back once, prefetched or on demand
+    assert stats["h2d_bytes"] == stats["d2h_bytes"] == off.offloaded_bytes > 0
     # backward runs almost in reverse pack order: most copies were brought back ahead of use
     assert stats["prefetched"] > 0.8 * (stats["prefetched"] + stats["on_demand"]), stats
     none = Offloader(CPU, CPU, min_bytes=16 * 1024)
@@ -202,6 +212,7 @@ def test_a_copy_shared_by_several_saved_tensors_comes_back_once():
     off.unpack(b)
     assert list(off._window._ready) == [1]
     assert torch.equal(off.unpack(a), first) and len(copies_back) == 5
+    assert off.restored_bytes == 5 * t.nbytes  # host -> device: the five copies back
 
 
 def test_with_checkpoint_only_tensors_outside_regions_are_offloaded(model_and_plain_grads):
@@ -271,13 +282,16 @@ def test_a_copied_tensor_is_released_after_its_copy(monkeypatch, release):
     # a copy back on the side stream (a prefetch) writes into compute-pool memory: the same
     off.copy_times = type("Times", (), {"start": staticmethod(lambda stream: _FakeEvent()),
                                         "prefetched": lambda self, started, copied: None})()
+    assert off.restored_bytes == 0
     restored, copied = off._start_copy_back(host)
     assert torch.equal(restored, host) and ("wait_event", "compute", copied) not in calls
+    assert off.restored_bytes == host.nbytes  # counted as the side stream's copy is issued
     del restored
     gc.collect()
     waited = ("wait_event", "compute", copied) in calls
     assert (marked, waited) == ((["side", "side"], False) if release == "record" else ([], True))
     assert torch.equal(off.unpack(host), host)
+    assert off.restored_bytes == 2 * host.nbytes  # and the copy back on demand
 
 
 def test_early_needs_tile_and_refuses_compress():
