@@ -27,23 +27,26 @@ def _batch(seed: int = 1):
     return x, (x * 0.8 + 0.1).clamp(0, 1)
 
 
-def _build(techniques, **train):
+def _build(techniques, encoder="resnet34", **train):
     from memstudy.runner import seed_everything
     from memstudy.techniques.compose import build_pipeline, make_plan
 
     cfg = small_config(SIZE, techniques, batch_size=BATCH, msssim_scales=SCALES,
                        **{"warmup_steps": 2, **train})
     cfg.world_size = WORLD
+    cfg.model.encoder = encoder
     seed_everything(cfg.train.seed)
     return build_pipeline(make_plan(cfg))
 
 
-def _reference(eval_mode=False, micro=1):
+def _reference(eval_mode=False, micro=1, encoder="resnet34"):
     """Unsplit model on one process, the global batch, optionally micro-batch accumulation."""
     from memstudy.models import build_unet
+    from memstudy.network import ModelConfig
     from memstudy.quality import MSSSIMLoss
 
-    model, loss_fn = build_unet(seed=0), MSSSIMLoss(SCALES)
+    model = build_unet(seed=0, network=ModelConfig(encoder=encoder))
+    loss_fn = MSSSIMLoss(SCALES)
     model.train(not eval_mode)
     x, y = _batch()
     outs = []
@@ -107,12 +110,12 @@ def scenario_sharded(r):
     return out
 
 
-def scenario_mp(r):
-    build = _build(["mp"])
+def scenario_mp(r, encoder="resnet34"):
+    build = _build(["mp"], encoder)
     x, y = _batch()
     loss = build.runtime.forward(build.model, x, y)
     build.runtime.backward(loss)
-    ref, ref_out = _reference()
+    ref, ref_out = _reference(encoder=encoder)
     ref_grads = _grads(ref.named_parameters())
     part = "encoder" if r == 0 else "decoder"
     got = {n: g for n, g in _grads(build.model.part.named_parameters()).items()}
@@ -121,6 +124,11 @@ def scenario_mp(r):
 
     return {"part": part, "n": count, "diff": diff, "loss": loss.item(),
             "ref_loss": MSSSIMLoss(SCALES)(ref_out, y).item()}
+
+
+def scenario_mp_bottleneck(r):
+    """The same split of a ResNet-50 U-Net (Bottlenecks, 2048 deepest channels)."""
+    return scenario_mp(r, "resnet50")
 
 
 def scenario_pipeline(r):
@@ -202,7 +210,8 @@ def scenario_compiled(r):
     return out
 
 
-SCENARIOS = [scenario_ddp, scenario_sharded, scenario_mp, scenario_pipeline, scenario_mp_training,
+SCENARIOS = [scenario_ddp, scenario_sharded, scenario_mp, scenario_mp_bottleneck, scenario_pipeline,
+             scenario_mp_training,
              scenario_compositions, scenario_compiled]
 if os.environ.get("DIST_SCENARIOS"):  # development: run a subset
     SCENARIOS = [s for s in SCENARIOS if s.__name__ in os.environ["DIST_SCENARIOS"].split(",")]
@@ -265,8 +274,9 @@ def test_zero_and_fsdp_hold_half_the_optimizer_state(ranks):
         assert sum(per_rank) == pytest.approx(full, rel=0.02), (name, per_rank, full)
 
 
-def test_model_parallel_split_equals_unsplit(ranks):
-    found = _get(ranks, "scenario_mp")
+@pytest.mark.parametrize("scenario", ["scenario_mp", "scenario_mp_bottleneck"])
+def test_model_parallel_split_equals_unsplit(ranks, scenario):
+    found = _get(ranks, scenario)
     assert [f["part"] for f in found] == ["encoder", "decoder"]
     for f in found:
         assert f["n"] > 20 and f["diff"] < 1e-5, f
