@@ -113,6 +113,77 @@ def test_claims_of_dead_or_silent_runners_are_taken_over(tmp_path):
     assert claims.claim(db, "d", me)["status"] == "ok"
 
 
+class _Reporting:
+    """A connection that tells the test, before and after each statement, what it runs."""
+
+    def __init__(self, con: sqlite3.Connection, before, after):
+        self.con, self.before, self.after = con, before, after
+
+    def execute(self, sql: str, *args):
+        self.before(sql)
+        cursor = self.con.execute(sql, *args)
+        self.after(sql)
+        return cursor
+
+    def __enter__(self):
+        self.con.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.con.__exit__(*exc)
+
+    def close(self) -> None:
+        self.con.close()
+
+
+def test_two_claimers_interleaved_on_one_cell_one_claims_it(tmp_path):
+    """Claimer A has read the cell free and is about to write its claim when claimer B starts.
+    B must not read it free as well: its claim begins with BEGIN IMMEDIATE, which waits for A's
+    write lock, and then it finds A's claim. In a deferred transaction both would read the
+    cell free and both would claim it (or one would fail on its stale snapshot)."""
+    import threading
+
+    db = ResultsDB(tmp_path / "r.sqlite")
+    connect = db._connect
+    a_read, b_began = threading.Event(), threading.Event()
+
+    def a_before(sql: str) -> None:
+        if sql.startswith("INSERT OR REPLACE INTO claims"):
+            a_read.set()
+            assert b_began.wait(30)  # B at its BEGIN IMMEDIATE, or done reading
+
+    def b_before(sql: str) -> None:
+        if sql == "BEGIN IMMEDIATE":
+            b_began.set()
+
+    def b_after(sql: str) -> None:
+        if "FROM claims" in sql:
+            b_began.set()
+
+    hooks = {"A": (a_before, lambda sql: None), "B": (b_before, b_after)}
+    db._connect = lambda: _Reporting(connect(), *hooks[threading.current_thread().name])
+    now = time.time()
+    runners = {"A": Runner("host-a", 1, now), "B": Runner("host-b", 2, now)}
+    got: dict = {}
+
+    def claim(name: str) -> None:
+        try:
+            got[name] = claims.claim(db, "cell", runners[name])
+        except Exception as exc:  # reported below, beside the other claimer's result
+            got[name] = exc
+
+    threads = {name: threading.Thread(target=claim, args=(name,), name=name) for name in "AB"}
+    threads["A"].start()
+    assert a_read.wait(30)  # A has read the cell free and holds its transaction open
+    threads["B"].start()
+    for thread in threads.values():
+        thread.join(60)
+    assert got["A"] is None, got
+    assert isinstance(got["B"], Holder) and (got["B"].host, got["B"].pid) == ("host-a", 1), got
+    rows = ResultsDB(tmp_path / "r.sqlite").query("SELECT config_hash, host, pid FROM claims")
+    assert [tuple(r.values()) for r in rows] == [("cell", "host-a", 1)]
+
+
 def test_a_recorded_cell_is_retried_only_by_retry_and_only_once(tmp_path):
     db = ResultsDB(tmp_path / "r.sqlite")
     fake_run(db, "e", status="error", failed_phase="setup")
