@@ -247,3 +247,22 @@ def test_no_technique_is_named_outside_the_registry():
             if isinstance(node, ast.Constant) and node.value in names:
                 found.append(f"memstudy/{rel}:{node.lineno} {node.value!r}")
     assert not found, "declare a fact on the Technique instead of naming it:\n" + "\n".join(found)
+
+
+def _module_tree(text: str) -> str:
+    """The fenced module tree at the top of docs/architecture.md."""
+    return text.split("```", 2)[1]
+
+
+def test_the_module_tree_names_every_module_and_package():
+    """Every file and package directly under memstudy/ is named in the page's module tree
+    (the tree is read by newcomers first: a module missing there is a module nobody finds)."""
+    tree = _module_tree(ARCHITECTURE.read_text())
+    names = [p.name + ("/" if p.is_dir() else "") for p in sorted(PACKAGE.iterdir())
+             if (p.is_dir() and (p / "__init__.py").exists()) or
+             (p.suffix == ".py" and p.name != "__init__.py")]
+    missing = [n for n in names if not re.search(rf"(?<![\w/]){re.escape(n)}", tree)]
+    assert not missing, "name these in docs/architecture.md's module tree: " + ", ".join(missing)
+    entries = re.findall(r"^  ([a-z_]+(?:\.py|/))", tree, flags=re.MULTILINE)  # one per line
+    stale = [n for n in entries if n not in names]
+    assert not stale, "the module tree names modules that do not exist: " + ", ".join(stale)
