@@ -1,6 +1,8 @@
 """Memory budget: over the budget a run fails as 'oom' in its phase; without it, it fits."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -29,6 +31,79 @@ def test_budget_bytes_and_allocator_fraction():
         allocator_fraction(100 * GIB, 500 * MIB, 80 * GIB)
     with pytest.raises(ConfigError, match="CUDA context"):
         allocator_fraction(400 * MIB, 500 * MIB, 80 * GIB)
+
+
+@pytest.fixture
+def mock_cuda(monkeypatch):
+    """A CUDA device stood in for on the CPU (80 GiB, 'Mock GPU'): NVML's used bytes are read
+    from `nvml` in order (the indices asked for go to `read`), the allocator reserves
+    `reserved`, `torch.cuda.init` creates the context, and the caps set go to `caps`."""
+    import memstudy.budget as budget_mod
+
+    cuda = SimpleNamespace(initialized=False, current=0, reserved=2 * MIB, nvml=[], read=[],
+                           caps=[])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda.initialized)
+    monkeypatch.setattr(torch.cuda, "init", lambda: setattr(cuda, "initialized", True))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: cuda.current)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: cuda.reserved)
+    monkeypatch.setattr(budget_mod, "nvml_used",
+                        lambda index: cuda.read.append(index) or cuda.nvml.pop(0))
+    real_empty = torch.empty  # the tensor that creates the context: made on the CPU
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: real_empty(*a, **k))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: SimpleNamespace(total_memory=80 * GIB, name="Mock GPU"))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, i: cuda.caps.append((f, i)))
+    return cuda
+
+
+def test_apply_budget_caps_the_allocator_at_budget_minus_the_context(mock_cuda):
+    """Before the context exists, it is NVML used after creating it minus before, minus what
+    the allocator reserved; the allocator's cap leaves it out of the budget."""
+    mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]  # before, after the context is created
+    facts = apply_budget("4GiB", torch.device("cuda", 1), parameter_bytes=100 * MIB)
+    context = 698 * MIB
+    fraction = (4 * GIB - context) / (80 * GIB)
+    assert facts == {"budget_bytes": 4 * GIB, "budget_enforced_by": "allocator cap",
+                     "cuda_context_bytes": context, "allocator_cap_bytes": 4 * GIB - context,
+                     "memory_fraction": fraction}
+    assert mock_cuda.caps == [(fraction, 1)] and mock_cuda.read == [1, 1]
+    assert mock_cuda.initialized
+
+
+def test_once_the_context_exists_it_is_nvml_used_minus_reserved(mock_cuda):
+    """An earlier run in this process made the context: NVML used minus the allocator's
+    reserved bytes, on the current device when the run names none."""
+    mock_cuda.initialized, mock_cuda.current = True, 2
+    mock_cuda.nvml, mock_cuda.reserved = [2 * GIB], 512 * MIB
+    facts = apply_budget("8GiB", torch.device("cuda"))
+    assert facts["cuda_context_bytes"] == 1536 * MIB
+    assert mock_cuda.caps == [((8 * GIB - 1536 * MIB) / (80 * GIB), 2)]
+    assert facts["allocator_cap_bytes"] == 8 * GIB - 1536 * MIB and mock_cuda.read == [2]
+
+
+def test_no_budget_lifts_an_earlier_cap_without_creating_the_context(mock_cuda):
+    assert apply_budget(None, torch.device("cuda", 0)) == {}
+    assert mock_cuda.caps == [] and not mock_cuda.initialized  # no context to cap yet
+    mock_cuda.initialized = True
+    assert apply_budget(None, torch.device("cuda", 3)) == {}
+    assert mock_cuda.caps == [(1.0, 3)] and mock_cuda.read == []
+
+
+def test_a_budget_the_device_cannot_give_is_refused_before_any_cap(mock_cuda):
+    with pytest.raises(ConfigError) as info:
+        apply_budget("81GiB", torch.device("cuda", 0))
+    assert str(info.value) == ("budget 81GiB exceeds the 81920 MB of the Mock GPU; lower "
+                               "--budget to at most 81920MiB or drop it")
+    assert not mock_cuda.initialized and mock_cuda.read == []  # refused before the context
+    mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]
+    with pytest.raises(ConfigError) as info:
+        apply_budget("750MiB", torch.device("cuda", 0), parameter_bytes=100 * MIB)
+    assert str(info.value) == (
+        "budget 750MiB cannot hold the CUDA context (698 MB, measured by NVML) plus the model's "
+        "parameters (100 MB), before any activation; raise --budget above 798MiB")
+    assert mock_cuda.caps == []
 
 
 def test_cpu_budget_is_left_to_the_tensor_meter():

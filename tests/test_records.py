@@ -345,39 +345,6 @@ def test_a_grid_cell_with_budget_zero_is_invalid(tmp_path):
     assert cell.error and "holds nothing" in cell.error
 
 
-GIB, MIB = 1 << 30, 1 << 20
-
-
-def test_apply_budget_caps_the_allocator_at_budget_minus_the_context(monkeypatch):
-    """A CUDA device mocked on the CPU: the context is NVML used after creating it minus
-    before (minus what the allocator reserved), and the cap leaves it out of the budget."""
-    import memstudy.budget as budget_mod
-
-    nvml = iter([3 * GIB, 3 * GIB + 700 * MIB])  # before, after the context is created
-    caps = []
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 2 * MIB)
-    monkeypatch.setattr(budget_mod, "nvml_used", lambda index: next(nvml))
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: real_empty(*a, **k))
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda *a: type("P", (), {"total_memory": 80 * GIB, "name": "Mock GPU"})())
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
-                        lambda f, i: caps.append((f, i)))
-    facts = budget_mod.apply_budget("4GiB", torch.device("cuda", 0), parameter_bytes=100 * MIB)
-    context = 698 * MIB
-    assert facts["cuda_context_bytes"] == context
-    assert caps == [((4 * GIB - context) / (80 * GIB), 0)]
-    assert abs(facts["allocator_cap_bytes"] - (4 * GIB - context)) <= 1
-    with pytest.raises(ConfigError, match="exceeds the 81920 MB of the Mock GPU"):
-        budget_mod.apply_budget("81GiB", torch.device("cuda", 0))
-    nvml = iter([3 * GIB, 3 * GIB + 700 * MIB])
-    with pytest.raises(ConfigError, match=r"CUDA context \(698 MB.*parameters \(100 MB\)"):
-        budget_mod.apply_budget("750MiB", torch.device("cuda", 0), parameter_bytes=100 * MIB)
-
-
 # ------------------------------------------------------------------ folder images
 def test_an_invalid_vr_dicom_is_listed_among_all_bad_files(tmp_path):
     from pydicom.data import get_testdata_file
