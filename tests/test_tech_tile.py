@@ -48,6 +48,32 @@ def test_val_tile_rows_checked():
         make_plan(cfg)
 
 
+TILE = "tile:tiles=0:rows=0:levels=2:keep=conv1:graphs=False:graph_limit=256:graph_fallback=False"
+
+
+@pytest.mark.parametrize("spec, form, digest", [
+    ("tile", TILE, "481a4b32e1d89b18"),
+    ("tile:norm=auto:layer1=whole", TILE, "481a4b32e1d89b18"),  # the defaults: left out
+    ("tile:norm=torch", TILE + ":norm=torch", "eed3052961b507ee"),
+    ("tile:levels=3:layer1=blocks:norm=triton",
+     TILE.replace("levels=2", "levels=3") + ":norm=triton:layer1=blocks", "679d056f54a0d8ca"),
+])
+def test_canonical_form_and_hash_are_pinned(spec, form, digest):
+    """Tile runs are recorded under this form and hash (4188 px, batch 1, CUDA). norm and
+    layer1 came after runs were recorded (hash_neutral): at their defaults they are left out,
+    so those runs keep their hashes; set otherwise they are written (another run). A change that
+    alters these makes every database rerun its tile runs: raise config.HASH_SCHEMA on purpose
+    and renew the values."""
+    from memstudy.config import RunConfig
+    from memstudy.grid import config_hash
+    from memstudy.techniques import canonical
+
+    assert canonical([spec]) == [form]
+    cfg = RunConfig(techniques=[spec])
+    cfg.train.device, cfg.train.image_size, cfg.train.batch_size = "cuda", 4188, 1
+    assert config_hash(cfg) == digest
+
+
 def _global_error(got: dict, ref: dict) -> float:
     diff = torch.cat([(got[n].double() - ref[n].double()).flatten() for n in ref])
     return (diff.norm() / torch.cat([r.double().flatten() for r in ref.values()]).norm()).item()
