@@ -139,6 +139,17 @@ def part_graph() -> dict[str, dict[str, set[str]]]:
     return graph
 
 
+def module_graph() -> dict[str, dict[str, set[str]]]:
+    """module -> imported module -> the edge, file by file (a package is its __init__)."""
+    graph: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for path in PACKAGE.rglob("*.py"):
+        source = module_name(path)
+        for target in imported_modules(ast.parse(path.read_text())):
+            if target not in (source, "memstudy"):
+                graph[source][target].add(f"{source} -> {target}")
+    return graph
+
+
 def find_cycle(graph: dict[str, dict[str, set[str]]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
@@ -216,6 +227,19 @@ def test_parts_of_memstudy_import_each_other_without_cycles():
     if cycle:
         edges = [sorted(graph[a][b])[0] for a, b in zip(cycle, cycle[1:])]
         pytest.fail("import cycle " + " -> ".join(cycle) + "\n  " + "\n  ".join(edges))
+
+
+def test_no_two_modules_import_each_other_even_within_a_part():
+    """File by file: grid/cells.py and grid/forkserver.py, or a package's __init__ and a module
+    of it, may not import each other either (a private name taken across is the usual sign)."""
+    cycle = find_cycle(module_graph())
+    assert cycle is None, "import cycle between modules: " + " -> ".join(cycle)
+
+
+def test_the_module_cycle_check_finds_two_siblings_importing_each_other():
+    graph = module_graph()
+    graph["memstudy.grid.history"]["memstudy.grid.spec"].add("test edge")
+    assert find_cycle(graph) is not None  # grid.spec imports grid.history (plan_outcomes)
 
 
 def test_the_cycle_check_finds_a_cycle_hidden_in_a_function():

@@ -9,7 +9,6 @@ a retry or another runner never overwrites an earlier attempt's log.
 from __future__ import annotations
 
 import copy
-import ctypes
 import json
 import os
 import signal
@@ -23,7 +22,8 @@ from typing import Any, Callable
 
 from memstudy.config import CELL_THREADS_ENV, RunConfig, load_toml
 from memstudy.errors import ConfigError
-from memstudy.grid import forkserver
+import memstudy.grid.forkserver as forkserver
+from memstudy.grid.forkserver import die_with_parent
 from memstudy.grid.spec import config_hash
 from memstudy.runner import resolved, run_name
 from memstudy.store import ResultsDB, RunRecord, describe_outcome
@@ -67,18 +67,6 @@ def write_cell_config(config: RunConfig, folder: Path) -> Path:
 def cells_folder(db_path: str | Path) -> Path:
     db_path = Path(db_path)
     return db_path.parent / f"{db_path.stem}.cells"
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def _child_setup(parent: int) -> None:
-    """In the child, before exec: die with the runner (PR_SET_PDEATHSIG), so killing the
-    runner kills its cells and no orphan records a run behind a rerun's back."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the runner died before prctl took effect
-            os._exit(1)
 
 
 @dataclass
@@ -150,7 +138,7 @@ class CellProcess:
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True,
-                                         preexec_fn=lambda: _child_setup(parent))
+                                         preexec_fn=lambda: die_with_parent(parent))
         self.started = time.time()
 
     def poll(self) -> int | None:

@@ -30,6 +30,7 @@ forked workers, never in the server.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import runpy
@@ -86,13 +87,12 @@ class ForkServer:
         self.folder = Path(tempfile.mkdtemp(prefix="memstudy-forkserver-"))
         self.address = str(self.folder / "socket")
         parent = os.getpid()
-        from memstudy.grid.cells import _child_setup  # dies with the runner
 
         serve_here = "import sys; from memstudy.grid.forkserver import serve; serve(sys.argv[1])"
         try:  # interrupted while it imports (Ctrl-C, SIGTERM): no server or folder left behind
             self.proc = subprocess.Popen([sys.executable, "-c", serve_here, self.address],
                                          stdout=subprocess.PIPE,
-                                         preexec_fn=lambda: _child_setup(parent))
+                                         preexec_fn=lambda: die_with_parent(parent))
             ready = self.proc.stdout.readline()  # after the imports
         except BaseException:
             self.close()
@@ -228,7 +228,7 @@ def _run_child(request: dict, listener: socket.socket, conns: list[socket.socket
     command line as `python -m` would run it."""
     try:
         os.setpgid(0, 0)  # the cell's own process group (the server sets it too: no race)
-        _die_with(os.getppid())
+        die_with_parent(os.getppid())
         for sock in (listener, *conns):
             sock.close()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -257,10 +257,16 @@ def _run_child(request: dict, listener: socket.socket, conns: list[socket.socket
     os._exit(code or 0)
 
 
-def _die_with(parent: int) -> None:
-    from memstudy.grid.cells import _child_setup
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
-    _child_setup(parent)
+
+def die_with_parent(parent: int) -> None:
+    """In the child, before exec: die with the runner (PR_SET_PDEATHSIG), so killing the
+    runner kills its cells and no orphan records a run behind a rerun's back."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the runner died before prctl took effect
+            os._exit(1)
 
 
 def _check_no_cuda() -> None:

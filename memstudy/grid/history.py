@@ -9,13 +9,15 @@ the cell's run, and the grid says so, naming the run and the settings that diffe
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memstudy.config import from_dict
 from memstudy.errors import ConfigError
-from memstudy.grid.spec import Cell, config_hash
-from memstudy.runner import resolved
+from memstudy.runner import config_hash, resolved
 from memstudy.store import ResultsDB
+
+if TYPE_CHECKING:
+    from memstudy.grid.spec import Cell
 
 
 def older_records(cells: list[Cell], db: ResultsDB) -> dict[int, str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from memstudy.errors import ConfigError
-from memstudy.grid import claims
+import memstudy.grid.claims as claims
 from memstudy.grid.cells import CRASHED, KILLED, CellProcess, cache_images
 from memstudy.grid.claims import Holder, Runner
 from memstudy.grid.history import older_records

@@ -10,7 +10,7 @@ from typing import Any
 from memstudy.bytesize import ByteSize
 from memstudy.config import RunConfig, from_dict, read_toml, split_techniques
 from memstudy.errors import ConfigError
-from memstudy.runner import resolved, run_name
+from memstudy.runner import config_hash, run_name
 from memstudy.sizes import check_input_fits, parse_size
 from memstudy.typecheck import check_fields
 
@@ -171,11 +171,6 @@ def cell_config(spec: GridSpec, techniques: list[str], size: int | str, batch: i
         cfg.budget = spec.budget
     cfg.label = cfg.label or spec.name
     return cfg
-
-
-def config_hash(config: RunConfig) -> str:
-    """The hash a run of `config` is recorded under (techniques in canonical form)."""
-    return resolved(copy.deepcopy(config)).hash()
 
 
 def cell_table(cells: list[Cell], outcomes: dict[int, str]) -> str:

@@ -15,7 +15,8 @@ import time
 from html import escape
 from typing import Any
 
-from memstudy.report import interactive, plots
+import memstudy.report.interactive as interactive
+import memstudy.report.plots as plots
 from memstudy.report.tables import TITLES, as_cells
 from memstudy.sizes import size_sort_key
 from memstudy.text_table import render_table
