@@ -39,7 +39,7 @@ def run_tiny(monkeypatch, techniques: list[str], batch: int, steps: int, batchno
     from memstudy.techniques import compose
 
     seen = Captured()
-    monkeypatch.setattr(compose, "build_unet", lambda weights=None, seed=0: _seeded(seed, batchnorm))
+    monkeypatch.setattr(compose, "build_model", lambda config: _seeded(config.train.seed, batchnorm))
     plain = compose.default_optimizer
 
     def optimizer(config):
