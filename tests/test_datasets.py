@@ -380,6 +380,16 @@ def test_folder_error_lists_every_unreadable_file(tmp_path):
     assert "img_00.png" not in message and "img_02.png" not in message
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (4, 300)])
+def test_a_tiny_image_is_refused_for_its_size(tmp_path, shape):
+    """A 1 x 1 image is constant too: its size is what to tell the user."""
+    path = tmp_path / "tiny.png"
+    cv2.imwrite(str(path), np.full(shape, 7, np.uint8))
+    with pytest.raises(ImageError, match=rf"tiny.png: image is {shape[0]} x {shape[1]} px, too "
+                                         "small to hold a radiograph"):
+        load_image(path)
+
+
 def test_cover_keeps_aspect_ratio_and_stretch_does_not():
     image = np.tile(np.linspace(0, 1, 200, dtype=np.float32), (100, 1))  # 100 x 200 ramp
     covered = resize_to(image, (50, 50), "cover")  # scale 0.5 -> 50 x 100, centre 50 columns

@@ -29,6 +29,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+MIN_IMAGE_SIDE = 8  # px: below this an image is refused for its size, whatever else it is
+
 SUPPORTED_SUFFIXES = (".png", ".tif", ".tiff", ".dcm")
 MASK_SUFFIXES = (".png", ".tif", ".tiff")
 _CV2_SUFFIXES = (".png", ".tif", ".tiff")
@@ -182,6 +184,10 @@ def _load_checked(path: Path, notes: list[str]) -> np.ndarray:
                          f"supported: {_SUPPORTED_TEXT} (or DICOM files with the DICM marker)")
     if image.size == 0 or min(image.shape) == 0:
         raise ImageError(f"{path}: image has no pixels (shape {image.shape})")
+    if min(image.shape) < MIN_IMAGE_SIDE:  # before the constant check: a 1 x 1 image is both
+        raise ImageError(f"{path}: image is {image.shape[0]} x {image.shape[1]} px, too small "
+                         f"to hold a radiograph; give images of at least {MIN_IMAGE_SIDE} px a "
+                         "side (the losses need more: memstudy says how much at the run)")
     if not np.isfinite(image).all():
         raise ImageError(f"{path}: image contains NaN or infinite values")
     if float(image.max()) <= float(image.min()):
