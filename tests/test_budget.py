@@ -6,7 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memstudy.budget import allocator_fraction, apply_budget, budget_bytes
+from memstudy.budget import (allocator_fraction, apply_budget, budget_bytes, check_floor,
+                             cuda_context_bytes, nvml_used, recap_after_warmup)
+from memstudy.bytesize import size_text
 from memstudy.cli import main
 from memstudy.errors import ConfigError
 from memstudy.runner import execute
@@ -27,32 +29,62 @@ def test_budget_bytes_and_allocator_fraction():
         budget_bytes("eight")
     # an 80 GiB card emulating 8 GiB with a 500 MiB context: the allocator gets 7.5 GiB
     assert allocator_fraction(8 * GIB, 500 * MIB, 80 * GIB) * 80 * GIB == pytest.approx(8 * GIB - 500 * MIB)
-    with pytest.raises(ConfigError, match="exceeds the GPU"):
-        allocator_fraction(100 * GIB, 500 * MIB, 80 * GIB)
-    with pytest.raises(ConfigError, match="CUDA context"):
-        allocator_fraction(400 * MIB, 500 * MIB, 80 * GIB)
+    assert allocator_fraction(80 * GIB, 500 * MIB, 80 * GIB) == (80 * GIB - 500 * MIB) / (80 * GIB)
+    with pytest.raises(ConfigError) as info:
+        allocator_fraction(80 * GIB + 1, 500 * MIB, 80 * GIB)
+    assert str(info.value) == ("budget 80GiB exceeds the GPU's 81920 MB; lower budget or drop it")
+    with pytest.raises(ConfigError) as info:  # the context alone fills it: nothing is left
+        allocator_fraction(500 * MIB, 500 * MIB, 80 * GIB)
+    assert str(info.value) == ("budget 500MiB does not even hold the CUDA context (500 MB "
+                               "measured by NVML); raise budget")
+
+
+def test_a_floor_names_what_the_budget_cannot_hold():
+    """check_floor: a budget must exceed the context plus the parameters (equal leaves nothing
+    for activations); the line names the parts there are."""
+    check_floor(699 * MIB, 698 * MIB, 0, "measured by NVML")  # one byte over: accepted
+    for limit, context, params, held, above in [
+        (698 * MIB, 698 * MIB, 0, "the CUDA context (698 MB, measured by NVML)", "698MiB"),
+        (100 * MIB, 0, 100 * MIB, "the model's parameters (100 MB)", "100MiB"),
+        (0, 0, 0, "anything", "0MiB"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            check_floor(limit, context, params, "measured by NVML")
+        assert str(info.value) == (f"budget {size_text(limit)} cannot hold {held}, before any "
+                                   f"activation; raise --budget above {above}")
 
 
 @pytest.fixture
 def mock_cuda(monkeypatch):
     """A CUDA device stood in for on the CPU (80 GiB, 'Mock GPU'): NVML's used bytes are read
-    from `nvml` in order (the indices asked for go to `read`), the allocator reserves
-    `reserved`, `torch.cuda.init` creates the context, and the caps set go to `caps`."""
+    from `nvml` in order, the allocator reserves `reserved`, `torch.cuda.init` creates the
+    context, the caps set go to `caps`, and the device index every call names goes to `asked`
+    (None where a call names none)."""
     import memstudy.budget as budget_mod
 
-    cuda = SimpleNamespace(initialized=False, current=0, reserved=2 * MIB, nvml=[], read=[],
-                           caps=[])
+    cuda = SimpleNamespace(initialized=False, current=0, reserved=2 * MIB, nvml=[], asked=[],
+                           caps=[], emptied=0)
+
+    def ask(device) -> None:
+        cuda.asked.append(device.index if isinstance(device, torch.device) else device)
+
+    real_empty = torch.empty  # the tensor that creates the context: made on the CPU
+
+    def empty(*size, device=None, **kw):
+        ask(torch.device(device))
+        return real_empty(*size, **kw)
+
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda.initialized)
     monkeypatch.setattr(torch.cuda, "init", lambda: setattr(cuda, "initialized", True))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: cuda.current)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: cuda.reserved)
-    monkeypatch.setattr(budget_mod, "nvml_used",
-                        lambda index: cuda.read.append(index) or cuda.nvml.pop(0))
-    real_empty = torch.empty  # the tensor that creates the context: made on the CPU
-    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: real_empty(*a, **k))
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda *a: SimpleNamespace(total_memory=80 * GIB, name="Mock GPU"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: ask(device))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: ask(device) or cuda.reserved)
+    monkeypatch.setattr(torch.cuda, "empty_cache",
+                        lambda: setattr(cuda, "emptied", cuda.emptied + 1))
+    monkeypatch.setattr(budget_mod, "nvml_used", lambda index: ask(index) or cuda.nvml.pop(0))
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: ask(device) or
+                        SimpleNamespace(total_memory=80 * GIB, name="Mock GPU"))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda f, i: cuda.caps.append((f, i)))
     return cuda
@@ -68,8 +100,25 @@ def test_apply_budget_caps_the_allocator_at_budget_minus_the_context(mock_cuda):
     assert facts == {"budget_bytes": 4 * GIB, "budget_enforced_by": "allocator cap",
                      "cuda_context_bytes": context, "allocator_cap_bytes": 4 * GIB - context,
                      "memory_fraction": fraction}
-    assert mock_cuda.caps == [(fraction, 1)] and mock_cuda.read == [1, 1]
-    assert mock_cuda.initialized
+    assert mock_cuda.caps == [(fraction, 1)] and set(mock_cuda.asked) == {1}
+    assert mock_cuda.initialized and mock_cuda.nvml == []  # NVML read before and after
+
+
+def test_a_device_without_an_index_is_device_0_before_the_context_exists(mock_cuda):
+    """Asking torch for the current device would create the context before it is measured."""
+    mock_cuda.current, mock_cuda.nvml = 2, [3 * GIB, 3 * GIB + 700 * MIB]
+    facts = apply_budget("4GiB", torch.device("cuda"))
+    assert facts["cuda_context_bytes"] == 698 * MIB and set(mock_cuda.asked) == {0}
+    assert mock_cuda.caps == [((4 * GIB - 698 * MIB) / (80 * GIB), 0)]
+    mock_cuda.initialized, mock_cuda.asked = False, []
+    mock_cuda.nvml = [GIB, GIB + 10 * MIB]
+    assert cuda_context_bytes(torch.device("cuda")) == 8 * MIB and set(mock_cuda.asked) == {0}
+
+
+def test_nvml_used_reads_the_device_it_is_given(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "device_memory_used", lambda device: asked.append(device) or 5)
+    assert nvml_used(3) == 5 and asked == [torch.device("cuda", 3)]
 
 
 def test_once_the_context_exists_it_is_nvml_used_minus_reserved(mock_cuda):
@@ -80,7 +129,8 @@ def test_once_the_context_exists_it_is_nvml_used_minus_reserved(mock_cuda):
     facts = apply_budget("8GiB", torch.device("cuda"))
     assert facts["cuda_context_bytes"] == 1536 * MIB
     assert mock_cuda.caps == [((8 * GIB - 1536 * MIB) / (80 * GIB), 2)]
-    assert facts["allocator_cap_bytes"] == 8 * GIB - 1536 * MIB and mock_cuda.read == [2]
+    assert facts["allocator_cap_bytes"] == 8 * GIB - 1536 * MIB
+    assert mock_cuda.asked and set(mock_cuda.asked) == {2}
 
 
 def test_no_budget_lifts_an_earlier_cap_without_creating_the_context(mock_cuda):
@@ -88,7 +138,7 @@ def test_no_budget_lifts_an_earlier_cap_without_creating_the_context(mock_cuda):
     assert mock_cuda.caps == [] and not mock_cuda.initialized  # no context to cap yet
     mock_cuda.initialized = True
     assert apply_budget(None, torch.device("cuda", 3)) == {}
-    assert mock_cuda.caps == [(1.0, 3)] and mock_cuda.read == []
+    assert mock_cuda.caps == [(1.0, 3)] and mock_cuda.asked == []
 
 
 def test_a_budget_the_device_cannot_give_is_refused_before_any_cap(mock_cuda):
@@ -96,19 +146,33 @@ def test_a_budget_the_device_cannot_give_is_refused_before_any_cap(mock_cuda):
         apply_budget("81GiB", torch.device("cuda", 0))
     assert str(info.value) == ("budget 81GiB exceeds the 81920 MB of the Mock GPU; lower "
                                "--budget to at most 81920MiB or drop it")
-    assert not mock_cuda.initialized and mock_cuda.read == []  # refused before the context
+    assert not mock_cuda.initialized and mock_cuda.asked == [0]  # the capacity read, no more
+    mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]
+    facts = apply_budget("80GiB", torch.device("cuda", 0))  # all of it: accepted
+    assert facts["allocator_cap_bytes"] == 80 * GIB - 698 * MIB and mock_cuda.caps
+    mock_cuda.caps, mock_cuda.initialized = [], False
     mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]
     with pytest.raises(ConfigError) as info:
         apply_budget("750MiB", torch.device("cuda", 0), parameter_bytes=100 * MIB)
     assert str(info.value) == (
         "budget 750MiB cannot hold the CUDA context (698 MB, measured by NVML) plus the model's "
         "parameters (100 MB), before any activation; raise --budget above 798MiB")
+    mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]
+    mock_cuda.initialized = False
+    with pytest.raises(ConfigError, match="raise --budget above 798MiB"):  # equal: nothing left
+        apply_budget("798MiB", torch.device("cuda", 0), parameter_bytes=100 * MIB)
     assert mock_cuda.caps == []
 
 
 def test_cpu_budget_is_left_to_the_tensor_meter():
     assert apply_budget(None, torch.device("cpu")) == {}
-    assert apply_budget("1GiB", torch.device("cpu"))["budget_bytes"] == GIB
+    assert apply_budget("1GiB", torch.device("cpu")) == {"budget_bytes": GIB,
+                                                          "budget_enforced_by": "tensor meter"}
+    assert apply_budget("1B", torch.device("cpu"))["budget_bytes"] == 1  # no parameters given
+    with pytest.raises(ConfigError) as info:
+        apply_budget("100MiB", torch.device("cpu"), parameter_bytes=100 * MIB)
+    assert str(info.value) == ("budget 100MiB cannot hold the model's parameters (100 MB), "
+                               "before any activation; raise --budget above 100MiB")
 
 
 def test_over_budget_fails_under_budget_and_fits_without(tmp_path):
@@ -151,27 +215,24 @@ def test_cuda_budget_caps_the_allocator(make_config, tmp_path):
     assert execute(cfg, db).status == "ok"  # the cap is lifted for the next run in the process
 
 
-def test_recap_after_warmup_caps_by_the_grown_context(monkeypatch):
-    """The cap after warm-up is (budget - (NVML used - reserved)) / total, set after freeing."""
-    import memstudy.budget as budget_mod
-    calls = []
-    gib = 1 << 30
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 2 * gib)
-    monkeypatch.setattr(budget_mod, "nvml_used", lambda index: 3 * gib + gib // 4)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda *a: type("P", (), {"total_memory": 80 * gib})())
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
-                        lambda f, i: calls.append(("cap", f, i)))
-    facts = budget_mod.recap_after_warmup("4GiB", torch.device("cuda", 0))
-    context = gib + gib // 4
-    assert facts["cuda_context_after_warmup_bytes"] == context
-    assert calls == ["empty", ("cap", (4 * gib - context) / (80 * gib), 0)]
-    assert facts["allocator_cap_after_warmup_bytes"] == 4 * gib - context
-    assert budget_mod.recap_after_warmup(None, torch.device("cuda", 0)) == {}
-    assert budget_mod.recap_after_warmup("4GiB", torch.device("cpu")) == {}
+def test_recap_after_warmup_caps_by_the_grown_context(mock_cuda):
+    """The cap after warm-up is (budget - (NVML used - reserved)) / total, set after freeing
+    the cached blocks, on the run's device (the current one where the run names none)."""
+    mock_cuda.initialized, mock_cuda.reserved = True, 2 * GIB
+    mock_cuda.nvml = [3 * GIB + GIB // 4]
+    facts = recap_after_warmup("4GiB", torch.device("cuda", 3))
+    context = GIB + GIB // 4
+    assert facts == {"cuda_context_after_warmup_bytes": context,
+                     "allocator_cap_after_warmup_bytes": 4 * GIB - context}
+    assert mock_cuda.caps == [((4 * GIB - context) / (80 * GIB), 3)] and mock_cuda.emptied == 1
+    assert set(mock_cuda.asked) == {3}
+    mock_cuda.current, mock_cuda.asked, mock_cuda.nvml = 2, [], [3 * GIB + GIB // 4]
+    recap_after_warmup("4GiB", torch.device("cuda"))
+    assert mock_cuda.caps[-1][1] == 2 and set(mock_cuda.asked) == {2}
+    assert recap_after_warmup(None, torch.device("cuda", 0)) == {}
+    assert recap_after_warmup("4GiB", torch.device("cpu")) == {}
+    mock_cuda.initialized = False  # no run has made a context: nothing to re-measure
+    assert recap_after_warmup("4GiB", torch.device("cuda", 0)) == {}
 
 
 @pytest.mark.parametrize("cause, status", [

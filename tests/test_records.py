@@ -148,16 +148,16 @@ def test_two_claimers_interleaved_on_one_cell_one_claims_it(tmp_path):
     a_read, b_began = threading.Event(), threading.Event()
 
     def a_before(sql: str) -> None:
-        if sql.startswith("INSERT OR REPLACE INTO claims"):
+        if sql.upper().startswith("INSERT OR REPLACE INTO CLAIMS"):
             a_read.set()
             assert b_began.wait(30)  # B at its BEGIN IMMEDIATE, or done reading
 
     def b_before(sql: str) -> None:
-        if sql == "BEGIN IMMEDIATE":
+        if sql.upper() == "BEGIN IMMEDIATE":
             b_began.set()
 
     def b_after(sql: str) -> None:
-        if "FROM claims" in sql:
+        if "FROM CLAIMS" in sql.upper():
             b_began.set()
 
     hooks = {"A": (a_before, lambda sql: None), "B": (b_before, b_after)}
@@ -182,6 +182,86 @@ def test_two_claimers_interleaved_on_one_cell_one_claims_it(tmp_path):
     assert isinstance(got["B"], Holder) and (got["B"].host, got["B"].pid) == ("host-a", 1), got
     rows = ResultsDB(tmp_path / "r.sqlite").query("SELECT config_hash, host, pid FROM claims")
     assert [tuple(r.values()) for r in rows] == [("cell", "host-a", 1)]
+
+
+def test_a_claim_goes_stale_only_past_stale_s_and_its_heartbeat_keeps_it(tmp_path):
+    """A claim of another host's runner is taken over once its heartbeat is more than STALE_S
+    old; heartbeat() refreshes the runner's own claims only."""
+    db = ResultsDB(tmp_path / "r.sqlite")
+    me, far = Runner.this_process(), Runner("another-host", 1, 0.0)
+    assert claims.claim(db, "c", far, now=1000.0) is None
+    # exactly STALE_S old: still theirs, and the loser learns who has it since when
+    assert claims.claim(db, "c", me, now=1000.0 + claims.STALE_S) == Holder("another-host", 1, 1000.0)
+    claims.heartbeat(db, ["c"], me)  # not my claim: nothing changes
+    assert db.query("SELECT claimed_at, heartbeat FROM claims") == [
+        {"claimed_at": 1000.0, "heartbeat": 1000.0}]
+    before = time.time()
+    claims.heartbeat(db, ["c"], far)
+    (row,) = db.query("SELECT claimed_at, heartbeat FROM claims")
+    assert row["claimed_at"] == 1000.0 and before <= row["heartbeat"] <= time.time()
+    assert isinstance(claims.claim(db, "c", me, now=1000.0 + claims.STALE_S + 1), Holder)
+    assert claims.claim(db, "c", me, now=row["heartbeat"] + claims.STALE_S + 1) is None
+
+
+def test_a_holder_and_a_runner_are_named_in_one_line():
+    at = time.mktime((2026, 11, 28, 13, 5, 9, 0, 0, -1))
+    assert str(Holder("node7", 4242, at)) == "claimed by the runner node7 pid 4242 since 13:05:09"
+    assert str(Runner("node7", 4242, at)) == "node7 pid 4242"
+
+
+def test_attempt_kinds_and_what_retry_runs_again():
+    assert [claims.attempt_kind(*a) for a in [("error", "timeout"), ("error", "forward"),
+                                              ("oom", "timeout"), ("ok", None)]] == [
+        "timeout", "error", "oom", "ok"]
+    runner = Runner("h", 1, 100.0)
+    timed_out = {"status": "error", "failed_phase": "timeout", "finished_at": 99.0}
+    assert claims.wants_rerun(timed_out, frozenset({"timeout"}), runner)
+    assert not claims.wants_rerun(timed_out, frozenset({"error"}), runner)  # a kind of its own
+    # ended as this runner started, not before it: another runner's retry, not repeated
+    assert not claims.wants_rerun({**timed_out, "finished_at": 100.0}, frozenset({"timeout"}),
+                                  runner)
+    assert claims.wants_rerun(None, frozenset(), runner)  # never run
+    assert claims.parse_retry(" error, timeout ,") == frozenset({"error", "timeout"})
+    assert claims.parse_retry(None) == frozenset()
+    with pytest.raises(ConfigError) as info:
+        claims.parse_retry("crash,error,later")
+    assert str(info.value) == ("--retry crash,later: not an attempt kind; give a comma-separated "
+                               "list of error, oom, diverged, timeout")
+
+
+def test_a_runner_is_alive_unless_its_process_is_gone_or_a_zombie(tmp_path, monkeypatch):
+    import shutil
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])  # exits, not reaped: a zombie
+    stat, deadline = Path(f"/proc/{child.pid}/stat"), time.time() + 60
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.time() < deadline, stat.read_text()
+        time.sleep(0.01)
+    assert not claims._alive(child.pid)
+    child.wait()
+    assert not claims._alive(child.pid)  # reaped: gone
+    # a live process whose name holds ") Z ": its state follows the name's last parenthesis
+    named = tmp_path / "x) Z y"
+    named.symlink_to(shutil.which("sleep"))
+    sleeper = subprocess.Popen([str(named), "60"])
+    try:
+        assert claims._alive(sleeper.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+    def not_permitted(pid, signal):
+        raise PermissionError(pid)
+
+    monkeypatch.setattr(claims.os, "kill", not_permitted)
+    assert claims._alive(12345)  # another user's process
+    monkeypatch.setattr(claims.os, "kill", lambda pid, signal: None)
+
+    def unreadable(path):
+        raise OSError(path)
+
+    monkeypatch.setattr(claims, "open", unreadable, raising=False)
+    assert claims._alive(12345)  # its state unreadable: taken as alive, never run twice
 
 
 def test_a_recorded_cell_is_retried_only_by_retry_and_only_once(tmp_path):
