@@ -61,13 +61,18 @@ def pytest_collection_modifyitems(config, items):
 
 @functools.cache
 def _shares_setup(path: str) -> bool:
-    """Whether the test module at `path` defines a fixture with a scope wider than one test."""
+    """Whether the test module at `path` defines a fixture with a scope wider than one test, or
+    a cached function its tests share (tests/test_tiling.py's untiled float64 steps: split over
+    two workers, each worker computed and held them, and two workers of ~10 GiB each outgrew
+    the 24 GiB CI machine)."""
     try:
         tree = ast.parse(Path(path).read_text())
     except (OSError, SyntaxError, ValueError):
         return False
     for node in ast.walk(tree):
         for decorator in getattr(node, "decorator_list", ()):
+            if "lru_cache" in ast.unparse(decorator):
+                return True
             if "fixture" not in ast.unparse(decorator):
                 continue
             for kw in getattr(decorator, "keywords", ()):
