@@ -344,4 +344,4 @@ def test_host_peak_follows_what_the_process_holds():
                          check=True).stdout
     before, after, later = map(float, out.split())
     assert 200 * 2**20 < after - before < 400 * 2**20, (before, after)
-    assert later >= after
+    assert later >= after - 2**20  # the kernel syncs its RSS counters lazily: within pages

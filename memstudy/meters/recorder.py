@@ -18,6 +18,7 @@ import time
 import weakref
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -313,9 +314,15 @@ class PhaseRecorder:
 
 
 def host_peak_bytes() -> float:
-    """The process's peak resident host memory so far (getrusage's ru_maxrss: KiB on Linux,
-    bytes on macOS): what the host held beside the device at the run's busiest, pinned
-    offload buffers, data and the libraries included."""
+    """The process's peak resident host memory so far: what the host held beside the device at
+    the run's busiest, pinned offload buffers, data and the libraries included. Linux's VmHWM
+    (the peak of this process image: getrusage's ru_maxrss would also count what the parent
+    held before exec); getrusage elsewhere (KiB, bytes on macOS)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1]) * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return float(peak if sys.platform == "darwin" else peak * 1024)
 
