@@ -101,3 +101,86 @@ def test_the_pipeline_applies_in_the_recorded_order(written, applied, monkeypatc
     assert placed_when_applied == [calls.index(n) > calls.index("place")
                                    for n in calls if n != "place"]
     assert build.placed
+
+
+# -- what build_pipeline sets besides the techniques ---------------------------------------
+@pytest.mark.parametrize("name, cls, extra", [
+    ("sgd", "SGD", {"momentum": 0.9}), ("adam", "Adam", {}), ("adamw", "AdamW", {})])
+def test_the_default_optimizer_is_train_optimizer_over_the_trained_parameters(name, cls, extra):
+    import torch
+
+    from conftest import small_config
+
+    from memstudy.techniques.compose import default_optimizer
+
+    cfg = small_config(64)
+    cfg.train.optimizer, cfg.train.lr, cfg.train.weight_decay = name, 0.25, 0.125
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    model[0].weight.requires_grad_(False)  # frozen: not the optimizer's
+    opt = default_optimizer(cfg)(model)
+    assert type(opt) is getattr(torch.optim, cls)
+    (group,) = opt.param_groups
+    assert [id(p) for p in group["params"]] == [id(model[0].bias), id(model[1].weight),
+                                                 id(model[1].bias)]
+    assert {k: group[k] for k in ("lr", "weight_decay", *extra)} == {
+        "lr": 0.25, "weight_decay": 0.125, **extra}
+
+
+def test_every_build_resets_the_process_wide_numerics():
+    """A run never inherits an earlier run's TF32 or cuDNN autotuning settings."""
+    import torch
+
+    from conftest import small_config
+
+    from memstudy.techniques import compose
+
+    backends = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    saved = ([b.allow_tf32 for b in backends], torch.get_float32_matmul_precision(),
+             torch.backends.cudnn.benchmark)
+    try:
+        for benchmark in (True, False):
+            for b in backends:
+                b.allow_tf32 = True
+            torch.set_float32_matmul_precision("medium")
+            torch.backends.cudnn.benchmark = not benchmark
+            plan = compose.make_plan(small_config(192))
+            plan.config.train.cudnn_benchmark = benchmark  # as a CUDA plan would have it
+            compose.build_pipeline(plan)
+            assert [b.allow_tf32 for b in backends] == [False, False]
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert torch.backends.cudnn.benchmark is benchmark
+    finally:
+        for b, allowed in zip(backends, saved[0]):
+            b.allow_tf32 = allowed
+        torch.set_float32_matmul_precision(saved[1])
+        torch.backends.cudnn.benchmark = saved[2]
+
+
+def test_prepare_process_runs_each_process_setting_with_its_options():
+    import torch
+
+    from memstudy.techniques import compose, get_technique
+    from memstudy.techniques.base import Plan
+
+    calls = []
+    techniques = {
+        "first": dataclasses.replace(get_technique("checkpoint"), name="first",
+                                     prepare=lambda o, p: calls.append(("first", o, p))),
+        "plain": get_technique("accumulate"),  # no process setting
+        "last": dataclasses.replace(get_technique("checkpoint"), name="last",
+                                    prepare=lambda o, p: calls.append(("last", o, p))),
+    }
+    plan = Plan(config=None, device=torch.device("cpu"), n_gpus=0,
+                chosen={"first": "o1", "plain": "o2", "last": "o3"}, techniques=techniques)
+    compose.prepare_process(plan)
+    assert calls == [("first", "o1", plan), ("last", "o3", plan)]
+
+
+def test_the_loss_rows_are_recorded_as_their_least_and_most():
+    from types import SimpleNamespace
+
+    from memstudy.techniques.compose import _loss_rows
+
+    assert _loss_rows(SimpleNamespace(rows_used={64, 16, 32}), 3) == [
+        (3, 0, "loss_chunk_rows_min", 16.0), (3, 0, "loss_chunk_rows_max", 64.0)]
+    assert _loss_rows(SimpleNamespace(rows_used=set()), 0) == []  # unchunked: no rows

@@ -147,10 +147,16 @@ def test_two_claimers_interleaved_on_one_cell_one_claims_it(tmp_path):
     connect = db._connect
     a_read, b_began = threading.Event(), threading.Event()
 
+    def until(event: threading.Event, thread: threading.Thread) -> None:
+        """Wait for `event`, or until `thread` has run and ended without setting it."""
+        deadline = time.time() + 30
+        while not event.wait(0.01) and not (thread.ident and not thread.is_alive()):
+            assert time.time() < deadline
+
     def a_before(sql: str) -> None:
         if sql.upper().startswith("INSERT OR REPLACE INTO CLAIMS"):
             a_read.set()
-            assert b_began.wait(30)  # B at its BEGIN IMMEDIATE, or done reading
+            until(b_began, threads["B"])  # B at its BEGIN IMMEDIATE, or done reading
 
     def b_before(sql: str) -> None:
         if sql.upper() == "BEGIN IMMEDIATE":
@@ -174,7 +180,7 @@ def test_two_claimers_interleaved_on_one_cell_one_claims_it(tmp_path):
 
     threads = {name: threading.Thread(target=claim, args=(name,), name=name) for name in "AB"}
     threads["A"].start()
-    assert a_read.wait(30)  # A has read the cell free and holds its transaction open
+    until(a_read, threads["A"])  # A has read the cell free and holds its transaction open
     threads["B"].start()
     for thread in threads.values():
         thread.join(60)
