@@ -99,18 +99,9 @@ def test_predictions_are_stored_and_checked_against_later_runs(db, capsys):  # n
 def test_confirm_runs_the_top_candidate_and_records_it(tmp_path, make_config, capsys):
     """The fit comes from two recorded CPU runs (tensor-meter figures written through the
     store, their configs real); --confirm then trains the third size for real."""
-    from memstudy.store import RunRecord
+    from test_advise_confirm import cpu_db
 
-    db = ResultsDB(tmp_path / "cpu.sqlite")
-    for size, peak_mb in ((192, 300), (256, 400)):
-        cfg = make_config(size=size)
-        cfg.train.validate = False
-        metrics = [(0, phase, key, value) for phase in ("forward", "backward", "step")
-                   for key, value in (("tensor_start_bytes", 200 * MB),
-                                      ("tensor_peak_bytes", peak_mb * MB))]
-        db.record(RunRecord(config=cfg.to_dict(), config_hash=f"fit{size}", name="original",
-                            status="ok", env={"device": "cpu"}, started_at=0.0,
-                            metrics=metrics + [(0, "run", "step_time_s", size / 100)]))
+    db = cpu_db(tmp_path, make_config)
     assert main(["--db", str(db.path), "advise", "--budget", "4GiB", "--size", "224",
                  "--confirm"]) == 0
     out = capsys.readouterr().out
