@@ -329,6 +329,220 @@ def test_an_older_record_of_a_cell_is_named_with_what_differs(tmp_path):
     assert "train.loss_chunk_rows (absent then)" in outcome and cell.hash in outcome
 
 
+# ------------------------------------------------------------------ the store: what a record holds
+def _full_record(**changes) -> RunRecord:
+    """A record with every field set, its config's keys out of order and a value JSON lacks."""
+    fields = dict(
+        config={"world_size": 2, "train": {"image_size": 256, "batch_size": 3},
+                "techniques": ["amp:bf16"]},
+        config_hash="h", name="amp:bf16", status="oom", label="lab", failed_phase="backward",
+        error="OutOfMemoryError", started_at=10.0, finished_at=12.5, run_uid="u1", trained=False,
+        env={"gpu_name": "Mock GPU", "device": torch.device("cuda", 1)},
+        metrics=[(0, "forward", "peak", 5), (1, "step", "none", None)],
+        epochs=[{"rank": 1, "epoch": 0, "steps": 4, "train_loss": 0.5, "val_loss": 0.25,
+                 "val_ssim": 0.75, "val_psnr": 30.0, "time_s": 2.0, "val_dice": 0.625,
+                 "val_iou": 0.375},
+                {"epoch": 1, "steps": 4, "time_s": 1.5}],  # rank 0; no losses or scores
+        series=[(1, 0, "loss", 0.25), (0, 3, "loss", 0.125), (0, 1, "lr", 1)])
+    return RunRecord(**{**fields, **changes})
+
+
+def test_a_record_is_stored_field_by_field_and_read_back(tmp_path):
+    db = ResultsDB(tmp_path / "r.sqlite")
+    run_id = db.record(_full_record())
+    (row,) = db.runs()
+    assert row == {
+        "id": run_id, "config_hash": "h", "name": "amp:bf16", "label": "lab", "status": "oom",
+        "failed_phase": "backward", "error": "OutOfMemoryError", "image_size": 256,
+        "batch_size": 3, "world_size": 2, "device": "cuda:1", "gpu_name": "Mock GPU",
+        "started_at": 10.0, "finished_at": 12.5, "trained": 0, "run_uid": "u1",
+        "config_json": '{"techniques": ["amp:bf16"], "train": {"batch_size": 3, '
+                       '"image_size": 256}, "world_size": 2}',
+        "env_json": '{"device": "cuda:1", "gpu_name": "Mock GPU"}'}
+    assert db.runs("oom") == [row] and db.runs("ok") == []
+    assert db.metrics(run_id) == {(0, "forward"): {"peak": 5.0}, (1, "step"): {"none": None}}
+    assert db.epochs(run_id) == [
+        {"run_id": run_id, "rank": 0, "epoch": 1, "steps": 4, "train_loss": None,
+         "val_loss": None, "val_ssim": None, "val_psnr": None, "time_s": 1.5, "val_dice": None,
+         "val_iou": None},
+        {"run_id": run_id, "rank": 1, "epoch": 0, "steps": 4, "train_loss": 0.5,
+         "val_loss": 0.25, "val_ssim": 0.75, "val_psnr": 30.0, "time_s": 2.0, "val_dice": 0.625,
+         "val_iou": 0.375}]
+    assert [(r["rank"], r["step"], r["name"], r["value"]) for r in db.series(run_id)] == [
+        (0, 1, "lr", 1.0), (0, 3, "loss", 0.125), (1, 0, "loss", 0.25)]
+    assert [r["step"] for r in db.series(run_id, "lo%")] == [3, 0]
+    # a config without world_size is one process; a run not judged stores no verdict
+    other = db.record(_full_record(config={"train": {"image_size": 64, "batch_size": 1}},
+                                   run_uid="u2", config_hash="g", trained=None, status="ok"))
+    assert (db.runs("ok")[0]["world_size"], db.runs("ok")[0]["trained"]) == (1, None)
+    assert db.recorded_hashes() == {"h", "g"} and db.metrics(other) == db.metrics(run_id)
+    with pytest.raises(ValueError) as info:
+        db.record(_full_record(status="crashed"))
+    assert str(info.value) == ("status 'crashed' is not one of ('ok', 'oom', 'error', "
+                               "'diverged')")
+
+
+@pytest.mark.parametrize("status, phase, trained, said", [
+    ("ok", None, None, "ok"), ("ok", None, True, "ok"), ("ok", None, 0, "ok, did not train"),
+    ("oom", "forward", None, "oom in forward"),
+    ("error", "setup", False, "error in setup, did not train"),
+])
+def test_an_outcome_in_a_few_words(status, phase, trained, said):
+    from memstudy.store import describe_outcome
+
+    assert describe_outcome(status, phase, trained) == said
+
+
+def test_the_database_is_memstudy_db_or_the_default(monkeypatch):
+    from memstudy.store import default_db_path
+
+    monkeypatch.delenv("MEMSTUDY_DB", raising=False)
+    assert default_db_path() == "results/memstudy.sqlite"
+    monkeypatch.setenv("MEMSTUDY_DB", "/data/r.sqlite")
+    assert default_db_path() == "/data/r.sqlite"
+
+
+@pytest.mark.parametrize("sqlite_says, line", [
+    ("database is locked", "is locked by another process (waited 60 s); wait for it to finish "
+                           "or pass another --db"),
+    ("database is busy", "is locked by another process (waited 60 s); wait for it to finish or "
+                         "pass another --db"),
+    ("attempt to write a readonly database", "is read-only; make it and its folder writable or "
+                                             "pass another --db"),
+    ("file is read-only", "is read-only; make it and its folder writable or pass another --db"),
+    ("file is not a database", "is not a memstudy results database (or is damaged); pass "
+                               "another --db"),
+    ("database disk image is malformed", "is not a memstudy results database (or is damaged); "
+                                         "pass another --db"),
+    ("unable to open database file", "cannot be opened; check that its folder exists and is "
+                                     "writable"),
+    ("disk I/O error", "failed: disk I/O error"),
+])
+def test_an_sqlite_failure_is_one_line_saying_what_to_do(sqlite_says, line):
+    from memstudy.store import explain
+
+    err = explain(Path("/x/r.sqlite"), sqlite3.OperationalError(sqlite_says))
+    assert str(err) == f"/x/r.sqlite {line} (SQLite: {sqlite_says})"
+
+
+def test_files_that_are_no_database_are_refused_in_exact_lines(tmp_path, monkeypatch):
+    import memstudy.store as store
+
+    def refusal(path: Path) -> str:
+        with pytest.raises(DatabaseError) as info:
+            ResultsDB(path)
+        return str(info.value)
+
+    assert refusal(tmp_path) == f"{tmp_path} is not a file; pass a results database (--db) or a new path"
+    empty = tmp_path / "empty.sqlite"
+    empty.write_bytes(b"")
+    assert refusal(empty) == (f"{empty} is an empty file, not a memstudy results database; "
+                              "remove it or pass another --db (a new path is created)")
+    text = tmp_path / "notes.sqlite"
+    text.write_bytes(b"0123456789abcdef")
+    assert refusal(text) == (f"{text} is not an SQLite database (it starts with "
+                             "b'01234567'); pass a memstudy results database or a new path (--db)")
+    damaged = tmp_path / "damaged.sqlite"
+    damaged.write_bytes(store.SQLITE_HEADER + bytes(4096))
+    assert refusal(damaged) == (f"{damaged} is not a memstudy results database (or is damaged); "
+                                "pass another --db (SQLite: file is not a database)")
+    missing = tmp_path / "missing.sqlite"
+    with pytest.raises(DatabaseError) as info:
+        ResultsDB(missing, create=False)
+    assert str(info.value) == (f"results database {missing} not found; run a grid first or pass "
+                               "--db / set MEMSTUDY_DB")
+
+    def denied(path, mode="r"):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(store, "open", denied, raising=False)
+    assert refusal(text) == f"cannot read {text} (Permission denied); check its permissions"
+
+
+def test_a_new_database_makes_its_folders_or_says_why_not(tmp_path, monkeypatch):
+    nested = tmp_path / "a" / "b" / "r.sqlite"
+    assert ResultsDB(nested).runs() == [] and nested.is_file()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(DatabaseError) as info:
+        ResultsDB(blocker / "sub" / "r.sqlite")
+    assert str(info.value) == (f"cannot create the folder of {blocker / 'sub' / 'r.sqlite'} "
+                               "(Not a directory); pass a --db in a writable folder")
+
+    def cannot_open(*args, **kwargs):
+        raise sqlite3.OperationalError("unable to open database file")
+
+    monkeypatch.setattr(sqlite3, "connect", cannot_open)
+    with pytest.raises(DatabaseError) as info:
+        ResultsDB(tmp_path / "new.sqlite")
+    assert str(info.value) == (f"cannot create {tmp_path / 'new.sqlite'} (unable to open database "
+                               "file); pass a --db in a writable folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "file"]  # no scratch file left
+
+
+def _maxres_row(**changes) -> dict:
+    row = {c: 0 for c in ("budget_bytes", "batch_size", "created_at")} | {
+        "config_key": "k", "name": "original", "techniques_json": "[]", "budget": "1GiB",
+        "device": "cpu", "gpu_name": None, "fit_sizes_json": "[]", "fit_phase": None,
+        "fit_a": None, "fit_b": None, "predicted_px": None, "found_px": None,
+        "step_time_s": None, "peak_bytes": None, "probes_json": "[]", "error": None}
+    return row | changes
+
+
+def test_a_maxres_result_replaces_the_earlier_one_of_its_config(tmp_path):
+    db = ResultsDB(tmp_path / "r.sqlite")
+    db.replace_maxres(_maxres_row(found_px=512))
+    db.replace_maxres(_maxres_row(config_key="other", found_px=256))
+    db.replace_maxres(_maxres_row(found_px=640))
+    assert [(r["config_key"], r["found_px"]) for r in db.query(
+        "SELECT * FROM maxres ORDER BY config_key")] == [("k", 640), ("other", 256)]
+    row = _maxres_row()
+    del row["fit_a"], row["error"]
+    with pytest.raises(ValueError) as info:
+        db.replace_maxres(row)
+    assert str(info.value) == "maxres row lacks ['error', 'fit_a']"
+
+
+def test_check_writable_refuses_what_no_run_could_be_stored_in(tmp_path, monkeypatch):
+    import memstudy.store as store
+
+    monkeypatch.setenv("MEMSTUDY_DB", str(tmp_path / "default-never-made.sqlite"))
+    store.check_writable(tmp_path / "a" / "b" / "r.sqlite")  # folders made on first use
+    older = tmp_path / "older.sqlite"  # an older memstudy's database: checked, not changed
+    with sqlite3.connect(older) as con:
+        con.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY)")
+    con.close()
+    before = older.read_bytes()
+    store.check_writable(older)
+    assert older.read_bytes() == before and not (tmp_path / "default-never-made.sqlite").exists()
+    monkeypatch.setattr(store.os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(DatabaseError) as info:
+        store.check_writable(tmp_path / "x" / "r.sqlite")
+    assert str(info.value) == (f"cannot write in {tmp_path}, the folder of {tmp_path / 'x' / 'r.sqlite'} "
+                               "(SQLite keeps its journal beside the database); make it writable "
+                               "or pass another --db")
+
+
+def test_a_record_the_database_cannot_take_is_kept_beside_it_or_in_the_temporary_folder(
+        tmp_path, monkeypatch):
+    import tempfile
+
+    from memstudy.store import keep_aside
+
+    rec = _full_record(run_uid="0123456789abcdef")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    path = blocker / "r.sqlite"  # its folder cannot be made: the temporary folder instead
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    side = tmp_path / "r.unstored-0123456789ab.sqlite"
+    assert keep_aside(rec, path) == (f"the run's record is kept in {side}; once {path} can be "
+                                     f"written, add it with `memstudy --db {path} merge {side}`")
+    assert [r["run_uid"] for r in ResultsDB(side).runs()] == ["0123456789abcdef"]
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(blocker))
+    assert keep_aside(rec, path) == (f"the run's record could not be kept beside {path} either "
+                                     f"(nor in {blocker})")
+
+
 # ------------------------------------------------------------------ merge
 def test_merging_twice_or_into_itself_adds_nothing(tmp_path, capsys):
     src, target = ResultsDB(tmp_path / "a.sqlite"), tmp_path / "all.sqlite"
@@ -360,6 +574,58 @@ def test_runs_recorded_before_run_ids_merge_once_by_hash_and_start(tmp_path):
     assert [c for _s, c, _k in merge_databases(target, [old.path])] == [1]
     assert [(c, k) for _s, c, k in merge_databases(target, [old.path])] == [(0, 1)]
     assert len(ResultsDB(target).runs()) == 1
+
+
+def test_a_merge_renumbers_the_runs_and_brings_their_rows_not_the_claims(tmp_path):
+    target = ResultsDB(tmp_path / "all.sqlite")
+    fake_run(target, "mine")  # run 1 of the target
+    mine = target.metrics(1)
+    src = ResultsDB(tmp_path / "a.sqlite")
+    src.record(_full_record())  # run 1 of the source too
+    assert claims.claim(src, "cell", Runner("host", 1, 0.0)) is None  # in flight: not a result
+    src.replace_maxres(_maxres_row())
+    assert [(c, k) for _s, c, k in merge_databases(target.path, [src.path])] == [(1, 0)]
+    first, second = target.runs()
+    assert (first["id"], first["config_hash"], second["id"]) == (1, "mine", 2)
+    assert {k: v for k, v in second.items() if k != "id"} == {
+        k: v for k, v in src.runs()[0].items() if k != "id"}
+    assert target.metrics(1) == mine and target.metrics(2) == src.metrics(1)
+    assert [{**e, "run_id": 1} for e in target.epochs(2)] == src.epochs(1)
+    assert [{**r, "run_id": 1} for r in target.series(2)] == list(src.series(1))
+    assert target.query("SELECT * FROM claims") == []
+    assert target.query("SELECT * FROM maxres") == src.query("SELECT * FROM maxres")
+    assert [(c, k) for _s, c, k in merge_databases(target.path, [src.path])] == [(0, 1)]
+
+
+def test_a_source_from_before_run_ids_merges_once_and_is_left_as_it_was(tmp_path):
+    old = ResultsDB(tmp_path / "old.sqlite")
+    fake_run(old, "h1", started_at=1000.5)
+    with sqlite3.connect(old.path) as con:  # as an older memstudy made it: no run_uid column
+        kept = ", ".join(c for c in old.runs()[0] if c != "run_uid")
+        con.execute("PRAGMA legacy_alter_table = ON")  # metrics keep referring to runs
+        con.execute("ALTER TABLE runs RENAME TO newer")
+        con.execute(f"CREATE TABLE runs AS SELECT {kept} FROM newer")
+        con.execute("DROP TABLE newer")
+    con.close()
+    before = old.path.read_bytes()
+    target = tmp_path / "all.sqlite"
+    assert [(c, k) for _s, c, k in merge_databases(target, [old.path])] == [(1, 0)]
+    assert [(c, k) for _s, c, k in merge_databases(target, [old.path])] == [(0, 1)]
+    assert [r["run_uid"] for r in ResultsDB(target).runs()] == [None]
+    assert old.path.read_bytes() == before  # read, never migrated
+
+
+def test_merging_the_target_into_itself_is_refused_also_through_a_link(tmp_path):
+    target = ResultsDB(tmp_path / "all.sqlite")
+    fake_run(target, "h1")
+    linked = tmp_path / "linked.sqlite"
+    os.link(target.path, linked)
+    for same in (target.path, linked):
+        with pytest.raises(DatabaseError) as info:
+            merge_databases(target.path, [same])
+        assert str(info.value) == (f"{same} is the target database itself; nothing to merge "
+                                   "(pass another database to copy from)")
+    assert len(target.runs()) == 1
 
 
 # ------------------------------------------------------------------ one-line errors, files kept
