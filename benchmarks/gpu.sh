@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
 # then are packed into one archive, $OUT/results.tgz.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [networks] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [networks] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -131,14 +131,29 @@ for item in $STEPS; do
             $PY -m memstudy --db "$RES/paper/paper-protocol-512px.sqlite" grid benchmarks/specs/paper-protocol.toml ${PAPER_ARGS:-} 2>&1 | tee "$RES/paper/grid.log"
             python3 benchmarks/bench_paper.py "$RES/paper/paper-protocol-512px.sqlite" --format md --figure "$RES/paper/figure2.png" > "$RES/paper/tables.md" 2>&1 ;;
         # Tables 3-6 (two GPUs, docs/paper.md): both two-GPU specs resumed on a copy of PAPER2_DB
-        # (default: start empty), PAPER2_ARGS e.g. "--timeout 1200"; tables beside the H100 Original
-        paper-2gpu) mkdir -p "$RES/paper-2gpu"; db="$RES/paper-2gpu/paper-protocol-2gpu.sqlite"
-            [ -n "${PAPER2_DB:-}" ] && { cp "$PAPER2_DB" "$db" || continue; }
+        # (default: start empty); on a host of 4 GPUs two lanes, GPUs 0,1 and 2,3, one cell each
+        # at a time (the grid's claims keep them apart). No cell starts in the last
+        # PAPER2_CELL_S seconds (default 280, a 50-epoch cell) of the step's limit, so the limit
+        # kills none. PAPER2_ARGS e.g. "--seeds 0". paper-2gpu-timing: the short timing specs,
+        # one cell at a time (Tables 4 and 6 take epoch times only from runs with no neighbour).
+        paper-2gpu|paper-2gpu-timing) mkdir -p "$RES/paper-2gpu"; db="$RES/paper-2gpu/paper-protocol-2gpu.sqlite"
+            [ -n "${PAPER2_DB:-}" ] && [ ! -f "$db" ] && { cp "$PAPER2_DB" "$db" || continue; }
             start=$SECONDS
-            for spec in paper-protocol-2gpu paper-protocol-2gpu-mp; do  # the step's limit covers both
-                left=$((limit - (SECONDS - start))); [ "$left" -gt 0 ] || break
-                timeout --signal=INT --kill-after=20 "$left" python3 -m memstudy --db "$db" grid "benchmarks/specs/$spec.toml" ${PAPER2_ARGS:-} 2>&1 | tee -a "$RES/paper-2gpu/grid.log"
-            done
+            lane() {  # GPUS SPEC...: the specs in turn on one GPU pair, within the step's limit
+                local gpus=$1 spec left; shift
+                for spec in "$@"; do
+                    left=$((limit - (SECONDS - start)))
+                    [ "$left" -gt "${PAPER2_CELL_S:-280}" ] || break
+                    timeout --signal=INT --kill-after=20 "$left" python3 -m memstudy --db "$db" grid "benchmarks/specs/$spec.toml" --gpus "$gpus" --start-within $((left - ${PAPER2_CELL_S:-280})) ${PAPER2_ARGS:-} 2>&1 | sed "s/^/[$gpus] /" | tee -a "$RES/paper-2gpu/grid.log"
+                done
+            }
+            if [ "$step" = paper-2gpu-timing ]; then
+                lane 0,1 paper-protocol-2gpu-timing paper-protocol-2gpu-mp-timing
+            elif [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+                lane 0,1 paper-protocol-2gpu paper-protocol-2gpu-mp & lane 2,3 paper-protocol-2gpu-mp paper-protocol-2gpu & wait
+            else
+                lane 0,1 paper-protocol-2gpu paper-protocol-2gpu-mp
+            fi
             python3 benchmarks/bench_paper.py "$db" --format md --original benchmarks/results/h100/paper/paper-protocol-512px.sqlite > "$RES/paper-2gpu/tables.md" 2>&1 ;;
         compress-quality) $PY benchmarks/bench_compress.py --part quality --out "$RES/compress" ${COMPRESSQUALITY_ARGS:-} 2>&1 | tee -a "$RES/compress.log" ;;
         *) echo "unknown step $step" ;;

@@ -157,6 +157,8 @@ def cmd_grid(args: argparse.Namespace) -> int:
         spec.budget = args.budget
     if args.timeout is not None:
         spec.timeout_s = args.timeout
+    if args.seeds is not None:
+        spec.seeds = pick_seeds(spec.seeds, args.seeds, args.spec)
     gpus = [g.strip() for g in args.gpus.split(",")] if args.gpus else None
     if not args.dry_run:
         check_writable(args.db)
@@ -170,7 +172,8 @@ def cmd_grid(args: argparse.Namespace) -> int:
     try:
         result = (_run_grid_jobs(spec, args) if args.launcher != "processes" else
                   run_grid(spec, args.db, gpus, progress=None if args.quiet else eprint,
-                           retry=retry, per_gpu=args.cells_per_gpu))
+                           retry=retry, per_gpu=args.cells_per_gpu,
+                           start_within=args.start_within))
     except KeyboardInterrupt:
         eprint("interrupted: recorded cells are kept; the cells that were running left no "
                "record and the same command runs them")
@@ -179,10 +182,26 @@ def cmd_grid(args: argparse.Namespace) -> int:
     print(f"stored in {args.db}")
     for line in rerun_advice(result.outcomes, args):
         eprint(line)
+    if result.not_started:
+        eprint(f"{len(result.not_started)} cells not started (--start-within {args.start_within:g}"
+               " s had passed); the same command runs them")
     if result.failed:  # exit 1 (docs/grid.md): a script must not take the grid for complete
         eprint(f"{len(result.failed)} of the {len(result.ran)} cells run here ended in error, "
                "timeout or without a record; exit status 1")
     return 1 if result.failed else 0
+
+
+def pick_seeds(spec_seeds: list[int], given: str, spec_path: str) -> list[int]:
+    """--seeds: the spec's seeds to run now, in the order given (a cell's hash does not depend
+    on which seeds run with it, so a later run of the whole spec skips these cells)."""
+    try:
+        seeds = [int(s) for s in given.split(",")]
+    except ValueError:
+        raise ConfigError(f"--seeds {given!r}: give comma-separated integers, e.g. --seeds 0,2")
+    if stray := [s for s in seeds if s not in spec_seeds]:
+        raise ConfigError(f"--seeds {given}: seed {stray[0]} is not among {spec_path}'s seeds "
+                          f"{spec_seeds}; give some of those")
+    return seeds
 
 
 def rerun_advice(outcomes: dict[int, str], args: argparse.Namespace) -> list[str]:
@@ -209,8 +228,9 @@ def _run_grid_jobs(spec, args: argparse.Namespace):
     """A grid whose cells are submitit jobs (docs/grid.md, "On a Slurm cluster")."""
     from memstudy.grid.slurm import run_grid_submitit
 
-    if args.gpus or args.cells_per_gpu != 1:
-        flag = "--gpus" if args.gpus else "--cells-per-gpu"
+    if args.gpus or args.cells_per_gpu != 1 or args.start_within is not None:
+        flag = ("--gpus" if args.gpus else "--cells-per-gpu" if args.cells_per_gpu != 1
+                else "--start-within")
         raise ConfigError(f"{flag} applies to --launcher processes; with --launcher "
                           f"{args.launcher} each job gets its GPUs from the scheduler")
     if args.retry:
@@ -275,7 +295,12 @@ def add_study_parsers(sub) -> None:
                       "times are not, and the reports leave those out (docs/grid.md); not with "
                       "a budget, nor for cells on several GPUs")
     grid.add_argument("--budget", help="memory budget for every cell, e.g. 8GiB")
+    grid.add_argument("--seeds", metavar="S,S", help="run only these of the spec's seeds "
+                      "(e.g. one seed of every set first); their cells are the spec's own")
     grid.add_argument("--timeout", type=float, help="per-cell timeout in seconds")
+    grid.add_argument("--start-within", type=float, metavar="SECONDS", help="start no cell "
+                      "after this many seconds; the running ones finish and the rest are left "
+                      "for the same command (a time slot used without killing a cell)")
     grid.add_argument("--retry", metavar="KINDS", help="run again the recorded cells whose last "
                       "attempt is one of these comma-separated kinds: error, oom, diverged, "
                       "timeout (earlier attempts stay in the database)")

@@ -84,6 +84,28 @@ def test_dry_run_runs_nothing(tmp_path, capsys):
     assert ResultsDB(db).runs() == []
 
 
+def test_seeds_runs_a_subset_of_the_spec_seeds_as_the_spec_own_cells(tmp_path, capsys):
+    """--seeds 2 lists only seed 2's cells, with the hashes the whole spec gives them (a later
+    run of the whole spec skips them); a seed the spec lacks is one line naming its seeds."""
+    db, spec = tmp_path / "r.sqlite", write_spec(tmp_path, [192], seeds=[0, 2])
+    whole = {c.config.train.seed: c.hash for c in expand(load_spec(spec))}
+    assert main(["--db", str(db), "grid", str(spec), "--dry-run", "--seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert whole[2][:8] in out and whole[0][:8] not in out
+    assert main(["--db", str(db), "grid", str(spec), "--dry-run", "--seeds", "2,5"]) != 0
+    err = capsys.readouterr().err
+    assert "seed 5 is not among" in err and "seeds [0, 2]; give some" in err
+
+
+def test_start_within_lets_the_running_cell_finish_and_leaves_the_rest(tmp_path):
+    db = tmp_path / "r.sqlite"
+    spec = load_spec(write_spec(tmp_path, [192], seeds=[0, 1]))
+    result = run_grid(spec, db, poll_s=0.05, start_within=0.2)  # the first starts at once
+    assert result.outcomes == {1: "ok", 2: "not started (--start-within passed)"}
+    assert result.ran == [1] and result.not_started == [2] and not result.failed
+    assert run_grid(spec, db, poll_s=0.05).outcomes == {1: "recorded earlier (skipped)", 2: "ok"}
+
+
 def test_timeout_is_recorded_and_not_rerun(tmp_path):
     db = tmp_path / "r.sqlite"
     spec = load_spec(write_spec(tmp_path, [192], timeout_s=0.5))

@@ -38,7 +38,15 @@ class GridResult:
     def ran(self) -> list[int]:
         """Cells this invocation ran (not invalid, recorded earlier or run by another runner)."""
         return [i for i, o in self.outcomes.items()
-                if not o.startswith(("invalid", "recorded earlier", ELSEWHERE))]
+                if not o.startswith(("invalid", "recorded earlier", ELSEWHERE, NOT_STARTED))]
+
+    @property
+    def not_started(self) -> list[int]:
+        """Cells left for a later run: `start_within` had passed when their turn came."""
+        return [i for i, o in self.outcomes.items() if o.startswith(NOT_STARTED)]
+
+
+NOT_STARTED = "not started"
 
 
 def visible_gpus() -> list[str]:
@@ -54,12 +62,15 @@ def visible_gpus() -> list[str]:
 
 def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
              progress: Callable[[str], None] | None = None, poll_s: float = 0.2,
-             retry: frozenset[str] = frozenset(), per_gpu: int = 1) -> GridResult:
+             retry: frozenset[str] = frozenset(), per_gpu: int = 1,
+             start_within: float | None = None) -> GridResult:
     """Run every valid, unrecorded cell (and those whose last attempt is of a kind in `retry`,
     e.g. {'error', 'timeout'}: a new attempt, the earlier one kept); each GPU cell on its own
     disjoint set of GPUs (as many as it needs: `gpus_needed`), or with `per_gpu` > 1 that
     many cells side by side on each GPU (their records say so: gpu_other_processes, and the
-    reports leave their times out); CPU cells one at a time."""
+    reports leave their times out); CPU cells one at a time. With `start_within` (seconds) no
+    cell starts after that much of the grid has passed; the running ones finish, and the rest
+    are left for the same command to run later (a time slot used without killing a cell)."""
     progress = progress or (lambda _msg: None)
     runner = Runner.this_process()
     cells = expand(spec)
@@ -81,8 +92,10 @@ def run_grid(spec: GridSpec, db_path: str | Path, gpus: list[str] | None = None,
         progress(f"[{index}/{len(cells)}] {why}")
     if cached := cache_images([cell.config for cell in todo], db_path):
         progress(cached)
-    _Scheduler(result, todo, GpuSlots(pool, per_gpu), db, spec.timeout_s, progress, poll_s,
-               runner, retry).run()
+    scheduler = _Scheduler(result, todo, GpuSlots(pool, per_gpu), db, spec.timeout_s, progress,
+                           poll_s, runner, retry)
+    scheduler.start_within = start_within
+    scheduler.run()
     return result
 
 
@@ -183,6 +196,7 @@ class _Scheduler:
         self.durations: list[float] = []
         self.t0, self.total = time.time(), len(result.cells)
         self.beat = time.time()
+        self.start_within: float | None = None
 
     def run(self) -> None:
         try:
@@ -206,6 +220,8 @@ class _Scheduler:
     def _start_ready(self) -> None:
         """Start cells in spec order while the next one's GPUs are free. A cell that must wait
         holds back those behind it, so a 2-GPU cell is not starved by 1-GPU cells."""
+        if self.start_within is not None and time.time() - self.t0 > self.start_within:
+            self._leave_the_rest()
         while self.todo:
             ids = self.slots.take(self.todo[0].gpus)
             if ids is None:
@@ -215,6 +231,14 @@ class _Scheduler:
                 self._start(cell, ids)
             else:
                 self.slots.give(ids)
+
+    def _leave_the_rest(self) -> None:
+        for cell in self.todo:
+            self.result.outcomes[cell.index] = f"{NOT_STARTED} (--start-within passed)"
+        if self.todo:
+            self.progress(f"{len(self.todo)} cells not started: --start-within "
+                          f"{self.start_within:g} s has passed; the same command runs them")
+        self.todo = []
 
     def _claim(self, cell: Cell) -> bool:
         """Claim the cell for this runner; otherwise say who has it, or that it is recorded."""
