@@ -20,7 +20,12 @@ Tables 3-4) and paper-protocol-2gpu-mp.toml (model parallel, Tables 5-6), label
 one-GPU set, from the same database or --original's); memory as Table 2's plus the paper's
 Total (forward + backward). A two-GPU run's phase figures are the mean over its two ranks
 (the paper's per-GPU "average"); its losses and epoch time are rank 0's (model parallel:
-rank 0 logs the loss rank 1 computed). A set with no run prints "not measured".
+rank 0 logs the loss rank 1 computed). Their epoch times come only from runs that had their
+host to themselves: a run that overlapped another run of the database in time on the same
+host (two cells on a 4-GPU host, one GPU pair each) is left out and counted, and the short
+timing specs' runs (label `paper-protocol-2gpu-timing`, one cell at a time) give the time;
+their losses enter no table. Each row names the GPU its runs ran on (Original may be
+another). A set with no run prints "not measured".
 
     python benchmarks/bench_paper.py results/paper.sqlite [--format md] [--gpu H100] [--figure f2.png]
     python benchmarks/bench_paper.py results/paper-2gpu.sqlite --original results/paper.sqlite
@@ -48,18 +53,34 @@ SPECS = Path(__file__).resolve().parent / "specs"
 SPEC, PUBLISHED = SPECS / "paper-protocol.toml", SPECS / "paper-published.toml"
 SPECS_2GPU = (SPECS / "paper-protocol-2gpu.toml", SPECS / "paper-protocol-2gpu-mp.toml")
 LABEL, LABEL_2GPU = "paper-protocol", "paper-protocol-2gpu"
+LABEL_TIMING = "paper-protocol-2gpu-timing"  # the short timing specs' runs (epoch times only)
 
 
-def runs_by_set(db: str, gpu: str | None) -> dict[str, list[dict]]:
-    """The protocol's runs (one GPU and two) per technique set, each with its `epoch_s`."""
+def runs_by_set(db: str, gpu: str | None, labels=(LABEL, LABEL_2GPU)) -> dict[str, list[dict]]:
+    """The protocol's runs (one GPU and two; `labels`) per technique set, each with its
+    `epoch_s` and `beside` (how many other runs of the database ran at the same time on its
+    host, `beside_counts`)."""
     by_set: dict[str, list[dict]] = {}
     epoch_s = epoch_times(db)
-    for run in load_runs(db):
-        if run["label"] in (LABEL, LABEL_2GPU) and (gpu is None
-                                                     or gpu.lower() in device_of(run).lower()):
-            run["epoch_s"] = epoch_s.get(run["id"])
+    runs = load_runs(db)
+    beside = beside_counts(runs)
+    for run in runs:
+        if run["label"] in labels and (gpu is None or gpu.lower() in device_of(run).lower()):
+            run["epoch_s"], run["beside"] = epoch_s.get(run["id"]), beside[run["id"]]
             by_set.setdefault(run["name"], []).append(run)
     return by_set
+
+
+def beside_counts(runs: list[dict]) -> dict[int, int]:
+    """Per run, how many other runs overlapped it in time on the same host (env `host`): two
+    two-GPU cells on one 4-GPU host share its CPUs, memory bandwidth and PCIe, so neither's
+    epoch time is its own, though neither saw the other on its GPUs (gpu_shared). A run
+    without a finish time overlaps nothing here."""
+    spans = [(r["id"], r["env"].get("host"), r["started_at"], r["finished_at"]) for r in runs]
+    return {rid: sum(1 for other, h, s, f in spans
+                     if other != rid and h == host and None not in (start, end, s, f)
+                     and s < end and start < f)
+            for rid, host, start, end in spans}
 
 
 def trained(runs: list[dict]) -> list[dict]:
@@ -94,7 +115,9 @@ def differs(a: tuple, base: tuple) -> str:
     return "yes" if abs(ma - mb_) > sa + sb else "no"
 
 
-def table1(part: dict, by_set: dict, scale: float) -> tuple[list[str], list[list]]:
+def table1(part: dict, by_set: dict, scale: float, gpu: bool = False) -> tuple[list[str], list[list]]:
+    """Tables 1A, 1B, 3 and 5: the losses, whether the validation loss differs from
+    Original's, the seeds that never trained, (with `gpu`) the GPU and the status."""
     base = loss_stats(by_set.get("original", []), "val_loss", scale)
     rows = []
     for name, paper in part.items():
@@ -104,9 +127,11 @@ def table1(part: dict, by_set: dict, scale: float) -> tuple[list[str], list[list
                          if did_not_train(r)) or "-"
         rows.append([paper["paper"], name, _cell(train), _published(paper, "train_loss"),
                      _cell(val), _published(paper, "val_loss"),
-                     "-" if name == "original" else differs(val, base), dead, run_status(runs)])
+                     "-" if name == "original" else differs(val, base), dead,
+                     *([gpu_names(runs)] if gpu else []), run_status(runs)])
     return (["paper", "techniques", "train loss", "paper train", "val loss", "paper val",
-             "val differs from original", "seeds never trained", "status"], rows)
+             "val differs from original", "seeds never trained", *(["GPU"] if gpu else []),
+             "status"], rows)
 
 
 def run_status(runs: list[dict]) -> str:
@@ -147,14 +172,24 @@ def table2(part: dict, by_set: dict) -> tuple[list[str], list[list]]:
     return MEMORY_HEADERS + EPOCH_HEADERS, rows
 
 
-def table4(part: dict, by_set: dict) -> tuple[list[str], list[list]]:
-    """Tables 4 and 6: Table 2's columns with the Total (forward + backward) and the status."""
+def table4(part: dict, by_set: dict, timing: dict) -> tuple[list[str], list[list]]:
+    """Tables 4 and 6: Table 2's columns with the Total (forward + backward), the epoch time
+    from the runs with no neighbour (`timing`: the short timing specs' runs per set), the GPU
+    and the status."""
     rows = []
     for name, paper in part.items():
         runs = by_set.get(name, [])
         rows.append([paper["paper"], name, *memory_cells(runs, paper), _num(total_mb(runs)),
-                     _published(paper, "total_mb"), *epoch_cells(runs, paper), run_status(runs)])
-    return MEMORY_HEADERS + ["Total MB", "paper Total"] + EPOCH_HEADERS + ["status"], rows
+                     _published(paper, "total_mb"),
+                     *epoch_cells(runs, paper, timing.get(name, [])), gpu_names(runs),
+                     run_status(runs)])
+    return (MEMORY_HEADERS + ["Total MB", "paper Total", "epoch s (after the first, alone)",
+                              "paper epoch s", "GPU", "status"], rows)
+
+
+def gpu_names(runs: list[dict]) -> str:
+    """The GPUs a row's runs ran on ('NVIDIA H200'; two names where a row mixes them)."""
+    return ", ".join(sorted({device_of(r) for r in runs})) or "-"
 
 
 def memory_cells(runs: list[dict], paper: dict) -> list[str]:
@@ -163,13 +198,20 @@ def memory_cells(runs: list[dict], paper: dict) -> list[str]:
             _num(phase_mb(runs, "backward")), _published(paper, "backward_mb")]
 
 
-def epoch_cells(runs: list[dict], paper: dict) -> list[str]:
-    """The time per epoch over the finished runs that had their GPU to themselves (a run that
-    shared it, report.data.gpu_shared, keeps its losses and memory here, not its time), ours
-    beside the paper's."""
-    own = [r["epoch_s"] for r in runs if r["status"] == "ok" and not gpu_shared(r)]
-    shared = sum(r["status"] == "ok" and gpu_shared(r) for r in runs)
-    cell = _num(spread(own)) + (f" ({shared} on a shared GPU left out)" if shared else "")
+def epoch_cells(runs: list[dict], paper: dict, timing: list[dict] | None = None) -> list[str]:
+    """The time per epoch over the finished runs (and `timing`'s) that had their GPU and host
+    to themselves (a run that shared its GPU, report.data.gpu_shared, or ran beside another
+    cell on its host, `beside`, keeps its losses and memory here, not its time), ours beside
+    the paper's."""
+    done = [r for r in [*runs, *(timing or [])] if r["status"] == "ok"]
+    own = [r["epoch_s"] for r in done if not gpu_shared(r) and not r.get("beside")]
+    shared = sum(gpu_shared(r) for r in done)
+    beside = sum(bool(r.get("beside")) and not gpu_shared(r) for r in done)
+    notes = [f"{shared} on a shared GPU" if shared else "",
+             f"{beside} beside another cell" if beside else ""]
+    left_out = " and ".join(n for n in notes if n)
+    counted = f" (n={len(own)})" if timing is not None and own else ""
+    cell = _num(spread(own)) + counted + (f" ({left_out} left out)" if left_out else "")
     return [cell, _published(paper, "epoch_s")]
 
 
@@ -262,7 +304,8 @@ def estimate(db: str, gpu: str | None) -> str:
     return "\n".join(lines)
 
 
-def tables(published: dict, by_set: dict, scale: float) -> list[tuple[str, tuple]]:
+def tables(published: dict, by_set: dict, scale: float,
+           timing: dict | None = None) -> list[tuple[str, tuple]]:
     """(title, (headers, rows)) of every table, in the paper's order."""
     per_gpu = "memory per phase (MB, mean over the two GPUs) and time per epoch"
     return [("Table 1A: loss per technique, 512 px, 50 epochs",
@@ -273,11 +316,13 @@ def tables(published: dict, by_set: dict, scale: float) -> list[tuple[str, tuple
             ("Figure 2: memory per phase as a ratio to original's, 512 px",
              figure2(published["table2"], by_set)),
             ("Table 3: loss, data parallel on two GPUs",
-             table1(published["table3"], by_set, scale)),
-            (f"Table 4: data parallel, {per_gpu}", table4(published["table4"], by_set)),
+             table1(published["table3"], by_set, scale, gpu=True)),
+            (f"Table 4: data parallel, {per_gpu}",
+             table4(published["table4"], by_set, timing or {})),
             ("Table 5: loss, model parallel on two GPUs",
-             table1(published["table5"], by_set, scale)),
-            (f"Table 6: model parallel, {per_gpu}", table4(published["table6"], by_set))]
+             table1(published["table5"], by_set, scale, gpu=True)),
+            (f"Table 6: model parallel, {per_gpu}",
+             table4(published["table6"], by_set, timing or {}))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     origin = f" (Original's: {args.original})" if args.original else ""
     print(f"paper-protocol runs of {args.db}{origin} on {', '.join(gpus)}; losses x {scale:g} "
           "as the paper prints them\n")
-    for title, (headers, rows) in tables(published, by_set, scale):
+    timing = runs_by_set(args.db, args.gpu, labels=(LABEL_TIMING,))
+    for title, (headers, rows) in tables(published, by_set, scale, timing):
         print(title)
         print(render_table(headers, rows, args.format))
         print()

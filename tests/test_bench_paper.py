@@ -18,19 +18,25 @@ from memstudy.store import ResultsDB, RunRecord  # noqa: E402
 from memstudy.techniques.compose import make_plan  # noqa: E402
 
 MB = 1024**2
+SLOTS = iter(range(10**6))  # each record its own time window: no two overlap unless asked
 
 
 def paper_record(name: str, seed: int, val: float, fwd_mb: float = 500, train: float | None = None,
                  trained: bool = True, label: str = bench_paper.LABEL, world: int = 1,
-                 epoch_s: float = 30.0, others: int | None = None) -> RunRecord:
+                 epoch_s: float = 30.0, others: int | None = None,
+                 span: tuple[float, float] | None = None) -> RunRecord:
     metrics = [(0, phase, key, value) for phase, inc in (("forward", fwd_mb), ("backward", 100))
                for key, value in (("alloc_peak_bytes", inc * MB), ("alloc_start_bytes", 300 * MB))]
     if others is not None:  # processes it saw on its GPU (gpu_other_processes)
         metrics.append((0, "run", "gpu_other_processes", others))
+    if span is None:
+        slot = next(SLOTS) * 1000.0
+        span = (slot, slot + 500.0)
     return RunRecord(
         config={"train": {"image_size": 512, "batch_size": 1, "seed": seed}, "world_size": world,
                 "label": label}, config_hash=f"{name}{seed}", name=name, status="ok",
-        env={"device": "cuda:0", "gpu_name": "Test GPU"}, started_at=0.0, label=label,
+        env={"device": "cuda:0", "gpu_name": "Test GPU", "host": "h"}, started_at=span[0],
+        finished_at=span[1], label=label,
         trained=trained, metrics=metrics, epochs=[  # the first epoch's time (autotuning) is not the epoch time
             {"epoch": 0, "steps": 1, "train_loss": 0.5, "val_loss": 0.5, "time_s": 90.0},
             {"epoch": 49, "steps": 48, "train_loss": val if train is None else train,
@@ -43,11 +49,15 @@ def paper_run(db, name: str, seed: int, val: float, fwd_mb: float = 500, train: 
 
 
 def two_gpu_run(db, name: str, seed: int, val: float, train: float, fwd_mb=(500, 500),
-                epoch_s=(20.0, 26.0)) -> None:
+                epoch_s=(20.0, 26.0), label: str = bench_paper.LABEL_2GPU,
+                span: tuple[float, float] | None = None) -> None:
     """A run of the two-GPU protocol as rank 0 stores it (records.merge): each rank's metrics
     and epochs, and the mean and maximum over the ranks."""
-    ranks = [paper_record(name, seed, val, fwd, train, label=bench_paper.LABEL_2GPU, world=2,
-                          epoch_s=t) for fwd, t in zip(fwd_mb, epoch_s)]
+    if span is None:
+        slot = next(SLOTS) * 1000.0
+        span = (slot, slot + 500.0)
+    ranks = [paper_record(name, seed, val, fwd, train, label=label, world=2, epoch_s=t,
+                          span=span) for fwd, t in zip(fwd_mb, epoch_s)]
     db.record(merge(ranks))
 
 
@@ -202,19 +212,21 @@ def test_tables_3_to_6_beside_the_paper(tmp_path, capsys):
     assert "| 2.0000 ± 0.1000 (n=3) | 2.1602 | 6.3000 ± 0.1000 (n=3) | 6.1418 | yes |" in table3["dp"]
     assert "| 6.0500 (n=1) | 6.1418 | inside original's spread (one seed) |" in table3["dp+zero"]
     assert "| 6.0000 ± 0.1000 (n=3) | 6.0083 | - |" in table3["original"]
-    assert table3["dp+amp:fp16"].endswith("| - | 2.4507 | - | 6.2196 | - | - | not measured |")
+    assert table3["dp+amp:fp16"].endswith("| - | 2.4507 | - | 6.2196 | - | - | - | not measured |")
+    assert table3["dp"].endswith("| Test GPU | ok |")  # the GPU of each row's runs
     table4 = _rows(out, "Table 4", "Table 5")
     assert table4["dp"].endswith("| 500.00 ± 0.00 | 757.76 | 100.00 ± 0.00 | 532.48 | "
-                                 "600.00 ± 0.00 | 1290.24 | 20.00 ± 0.00 | 14.44 | ok |")
-    assert table4["original"].endswith("| 600.00 ± 0.00 | 1198.09 | 30.00 ± 0.00 | 35.63 | ok |")
+                                 "600.00 ± 0.00 | 1290.24 | 20.00 ± 0.00 (n=3) | 14.44 | Test GPU | ok |")
+    assert table4["original"].endswith("| 600.00 ± 0.00 | 1198.09 | 30.00 ± 0.00 (n=3) | 35.63 | "
+                                       "Test GPU | ok |")
     assert table4["dp+zero+amp:fp16+checkpoint:block"].endswith(
-        "| - | 276.48 | - | 153.6 | - | 430.08 | - | 12.98 | not measured |")
+        "| - | 276.48 | - | 153.6 | - | 430.08 | - | 12.98 | - | not measured |")
     table5 = _rows(out, "Table 5", "Table 6")
     assert "| 4.5000 ± 0.0000 (n=2) | 4.5295 | 6.0000 ± 0.1414 (n=2) | 5.9778 | no |" in table5["mp"]
-    assert table5["mp+invertible"].endswith("| - | 4.6009 | - | 5.9407 | - | - | not measured |")
+    assert table5["mp+invertible"].endswith("| - | 4.6009 | - | 5.9407 | - | - | - | not measured |")
     table6 = _rows(out, "Table 6", None)
     assert table6["mp"].endswith("| 400.00 ± 0.00 | 424.96 | 100.00 ± 0.00 | 307.2 | "
-                                 "500.00 ± 0.00 | 732.16 | 20.00 ± 0.00 | 53.29 | ok |")
+                                 "500.00 ± 0.00 | 732.16 | 20.00 ± 0.00 (n=2) | 53.29 | Test GPU | ok |")
     assert len(table6) == 8 and sum("not measured" in row for row in table6.values()) == 6
 
 
@@ -231,4 +243,21 @@ def test_original_from_another_database(tmp_path, capsys):
     assert "| outside original's spread (one seed) |" not in out  # original has one seed here
     assert "| n/a (one seed) |" in _rows(out, "Table 3", "Table 4")["dp"]
     assert _rows(out, "Table 4", "Table 5")["original"].endswith(
-        "| 700.00 | 757.76 | 100.00 | 440.32 | 800.00 | 1198.09 | 30.00 | 35.63 | ok |")
+        "| 700.00 | 757.76 | 100.00 | 440.32 | 800.00 | 1198.09 | 30.00 (n=1) | 35.63 | Test GPU | ok |")
+
+
+def test_epoch_times_only_from_runs_with_no_neighbour(tmp_path, capsys):
+    """Two two-GPU cells that ran at the same time on one host (4 GPUs, two lanes) keep their
+    losses and memory in Tables 3-6, not their epoch times; the short timing specs' runs, one
+    at a time, give those (and their losses enter no table)."""
+    db = ResultsDB(tmp_path / "paper.sqlite")
+    two_gpu_run(db, "dp", 0, 0.063, train=0.02, epoch_s=(40.0, 40.0), span=(0.0, 100.0))
+    two_gpu_run(db, "mp", 0, 0.059, train=0.045, epoch_s=(50.0, 50.0), span=(50.0, 150.0))
+    two_gpu_run(db, "dp", 0, 0.5, train=0.5, epoch_s=(12.0, 12.0), span=(200.0, 210.0),
+                label=bench_paper.LABEL_TIMING)
+    assert bench_paper.main([str(db.path), "--format", "md"]) == 0
+    out = capsys.readouterr().out
+    table4, table6 = _rows(out, "Table 4", "Table 5"), _rows(out, "Table 6", None)
+    assert "| 12.00 (n=1) (1 beside another cell left out) | 14.44 |" in table4["dp"]
+    assert "| - (1 beside another cell left out) | 53.29 |" in table6["mp"]
+    assert "| 6.3000 (n=1) |" in _rows(out, "Table 3", "Table 4")["dp"]  # the 50-epoch run's loss
