@@ -16,12 +16,15 @@ measured in, and increasingly wrong beyond it (allocator rounding, cuDNN choosin
 algorithms, a technique whose memory is not linear in pixels). So every prediction says how
 it was obtained: `measured`, `interpolated` between two measured sizes, or `extrapolated`
 with the pixel ratio beyond the nearest measured size, plus the fit's relative error at the
-sizes it was fitted on. Predictions are stored (table `predictions`); `advise --check` sets
-each beside the runs recorded after it, and `--confirm` runs the top candidate to make one.
+sizes it was fitted on. Predictions are stored with their experiment (table `predictions`);
+`advise --check` sets each beside the runs of that experiment recorded after it, naming the
+later runs of its set and size under other settings that it leaves out, and `--confirm` runs
+the top candidate to make one.
 """
 from __future__ import annotations
 
 import copy
+import json
 import math
 import time
 from collections import defaultdict
@@ -38,7 +41,8 @@ from memstudy.sizes import parse_size, size_hw, size_label
 from memstudy.store import ResultsDB
 from memstudy.techniques import canonical
 from memstudy.report.notes import quality_warning
-from memstudy.report.experiments import experiment, label_experiments, technique_set
+from memstudy.report.experiments import (describe as describe_settings, experiment,
+                                         label_experiments, settings, technique_set)
 from memstudy.text_table import format_table
 
 CONFIRM_LABEL = "advise confirm"
@@ -67,6 +71,7 @@ class Prediction:
     quality_epochs: int | None = None  # the fewer epochs and seeds of that pair
     quality_seeds: int | None = None
     differs: str = ""  # what sets it apart from the set's other experiments (experiments.split)
+    experiment: dict[str, str] = field(default_factory=dict)  # its settings but ACROSS (stored)
     val_loss_delta: float | None = None
     quality_at: Any = None
     template: dict[str, Any] = field(default_factory=dict)  # config of the set's largest run
@@ -135,7 +140,7 @@ def predict_all(db, budget: str, size, batch_size: int = 1, gpu: str | None = No
         except NoFit as exc:
             skipped.append((name + (f" ({differs})" if differs else ""), str(exc)))
             continue
-        p.differs = differs
+        p.differs, p.experiment = differs, fit_settings(runs_of[0])
         like = {"name": name, "device": device, "batch_size": batch_size, "run": runs_of[-1]}
         q = quality_cost(cands, like, size)
         p.val_loss_delta, p.quality_at, p.quality_under = q["delta"], q["at"], q["under"]
@@ -147,6 +152,12 @@ def predict_all(db, budget: str, size, batch_size: int = 1, gpu: str | None = No
 
 
 ACROSS = ("train.image_size", "budget")  # what one fit spans (experiments.experiment)
+
+
+def fit_settings(run: dict) -> dict[str, str]:
+    """The run's experiment settings but those a fit spans (ACROSS): what a prediction stores
+    and --check compares a later run's with."""
+    return {k: v for k, v in settings(run).items() if k not in ACROSS}
 
 
 def experiments_of(runs: list[dict]) -> list[tuple[list[dict], str]]:
@@ -332,7 +343,8 @@ def store(db_path: str | Path, device: str, size, budget: str, batch_size: int,
         {"created_at": now, "gpu_name": device, "name": p.name,
          "image_size": size_label(parse_size(size)), "batch_size": batch_size, "budget": budget,
          "budget_bytes": parse_bytes(budget), "fits": int(p.fits), "peak_bytes": p.peak_bytes,
-         "step_time_s": p.step_time_s, "confidence": p.confidence} for p in preds])
+         "step_time_s": p.step_time_s, "confidence": p.confidence,
+         "experiment": json.dumps(p.experiment, sort_keys=True)} for p in preds])
     return now
 
 
@@ -364,10 +376,18 @@ def confirm(db_path: str | Path, p: Prediction, size, budget: str,
     return run_isolated(cfg, db_path, timeout_s, watch=watch)
 
 
+NO_KEY = "no experiment key: recorded before advise stored one"
+
+
 def check(db) -> list[dict[str, Any]]:
-    """Each stored prediction beside the runs of its set, size and GPU recorded after it: the
-    measured peak and step time, their relative errors, and whether the fit call was right
-    (a run under no larger budget that ended ok or oom)."""
+    """Each stored prediction beside the latest run of its experiment recorded after it: its
+    set, size, batch and GPU, and every other setting of the fit's runs but size and budget
+    (fit_settings, stored with it). The measured peak and step time, their relative errors,
+    and whether the fit call was right (a run under no larger budget that ended ok or oom).
+    Later runs of its set, size, batch and GPU under other settings are not used: `not_used`
+    names them and what differs (a prediction with only such runs gets a row without a run).
+    A prediction stored before advise kept its experiment (`keyed` False) is matched by set,
+    size, batch and GPU only, as then."""
     db = open_db(db)
     try:
         preds = db.query("SELECT * FROM predictions ORDER BY id")
@@ -375,6 +395,7 @@ def check(db) -> list[dict[str, Any]]:
         return []
     runs = load_runs(db, probes=True)
     context_by_gpu = contexts(runs)
+    defaults = fit_settings({})  # a setting added after the prediction reads as its default
     rows = []
     for p in preds:
         size = parse_size(p["image_size"])
@@ -385,9 +406,43 @@ def check(db) -> list[dict[str, Any]]:
                  and r["image_size"] == size
                  and device_of(r) == p["gpu_name"] and r["batch_size"] == p["batch_size"]
                  and r["finished_at"] > p["created_at"]]
-        if later:
-            rows.append(_checked(p, later[-1], context_by_gpu.get(p["gpu_name"], 0.0)))
+        if not later:
+            continue
+        key = p.get("experiment")
+        key = None if key is None else defaults | json.loads(key)
+        same = [r for r in later if key is None or not _apart(key, fit_settings(r))]
+        row = (_checked(p, same[-1], context_by_gpu.get(p["gpu_name"], 0.0)) if same
+               else _unchecked(p))
+        used = {r["id"] for r in same}
+        rows.append(row | {"prediction": p["id"], "keyed": key is not None,
+                           "not_used": _not_used(key, [r for r in later if r["id"] not in used])})
     return rows
+
+
+def _apart(key: dict[str, str], values: dict[str, str]) -> set[str]:
+    """The settings in which a run's fit_settings differ from a prediction's."""
+    return {k for k in key.keys() | values.keys() if key.get(k) != values.get(k)}
+
+
+def _not_used(key: dict[str, str] | None, runs: list[dict]) -> list[str]:
+    """'runs 7, 9 (data.train_images=6; predicted for data.train_images=4)': later runs of the
+    prediction's set and size in another experiment, by what differs (experiments.describe)."""
+    by_what: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for r in runs:
+        values = fit_settings(r)
+        apart = _apart(key, values)
+        by_what[(describe_settings(values, apart), describe_settings(key, apart))].append(r["id"])
+    return [f"run{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} ({theirs}; predicted "
+            f"for {ours})" for (theirs, ours), ids in by_what.items()]
+
+
+def _unchecked(p: dict) -> dict[str, Any]:
+    """The row of a prediction whose later runs are all of other experiments."""
+    return {"name": p["name"], "size": p["image_size"], "budget": p["budget"],
+            "gpu": p["gpu_name"], "confidence": p["confidence"], "run": None,
+            "status": "no run of its experiment", "predicted_mb": mb(p["peak_bytes"]),
+            "measured_mb": None, "peak_error": None, "predicted_s": p["step_time_s"],
+            "measured_s": None, "step_error": None, "fit_call": "-"}
 
 
 def _specs(name: str) -> list[str]:
@@ -416,13 +471,24 @@ def _rel(predicted: float | None, measured: float | None) -> float | None:
 
 
 def check_table(rows: list[dict[str, Any]]) -> str:
+    """The check rows as a table, and under it one line per prediction whose later runs of
+    its set and size were not used (another experiment), one for those without a key."""
     pct = lambda v: "-" if v is None else f"{v:+.1%}"  # noqa: E731
-    return format_table(
-        ["techniques", "px", "budget", "confidence", "run", "status", "predicted MB",
-         "measured MB", "peak error", "predicted s", "measured s", "step error", "fit call"],
-        [[r["name"], r["size"], r["budget"], r["confidence"], r["run"], r["status"],
-          r["predicted_mb"], r["measured_mb"], pct(r["peak_error"]), r["predicted_s"],
-          r["measured_s"], pct(r["step_error"]), r["fit_call"]] for r in rows])
+    text = format_table(
+        ["prediction", "techniques", "px", "budget", "confidence", "run", "status",
+         "predicted MB", "measured MB", "peak error", "predicted s", "measured s", "step error",
+         "fit call"],
+        [[r["prediction"], r["name"], r["size"], r["budget"], r["confidence"], r["run"],
+          r["status"], r["predicted_mb"], r["measured_mb"], pct(r["peak_error"]),
+          r["predicted_s"], r["measured_s"], pct(r["step_error"]), r["fit_call"]] for r in rows])
+    notes = [f"prediction {r['prediction']} ({r['name']} at {r['size']} px): not used, another "
+             f"experiment: {'; '.join(r['not_used'])}" for r in rows if r["not_used"]]
+    old = [str(r["prediction"]) for r in rows if not r["keyed"]]
+    if old:
+        notes.append(f"prediction{'s' if len(old) > 1 else ''} {', '.join(old)} ({NO_KEY}): "
+                     "checked against runs of its techniques, size, batch and GPU, whatever "
+                     "their other settings")
+    return "\n".join([text, *notes])
 
 
 def describe(device: str, size, budget: str, preds: list[Prediction]) -> str:

@@ -136,11 +136,13 @@ CREATE TABLE IF NOT EXISTS predictions (
     fits INTEGER NOT NULL,        -- 1: predicted to train under the budget
     peak_bytes REAL,              -- predicted absolute peak (CUDA context included)
     step_time_s REAL,             -- predicted time per step
-    confidence TEXT NOT NULL      -- measured / interpolated / extrapolated ... (docs/advise.md)
+    confidence TEXT NOT NULL,     -- measured / interpolated / extrapolated ... (docs/advise.md)
+    experiment TEXT               -- the fit's settings but size and budget, JSON (NULL: older)
 );
 """
 PREDICTION_COLUMNS = ("created_at", "gpu_name", "name", "image_size", "batch_size", "budget",
-                      "budget_bytes", "fits", "peak_bytes", "step_time_s", "confidence")
+                      "budget_bytes", "fits", "peak_bytes", "step_time_s", "confidence",
+                      "experiment")
 # the epochs table's columns, in its order (SCHEMA; a migrated database adds the last two)
 SEGMENT_EPOCH_COLUMNS = ("val_dice", "val_iou")
 EPOCH_COLUMNS = ("run_id", "rank", "epoch", "steps", "train_loss", "val_loss", "val_ssim",
@@ -371,6 +373,8 @@ class ResultsDB:
         """Store `memstudy advise` predictions (PREDICTION_COLUMNS each), in one transaction."""
         with self.transaction() as con:  # SQLite failures as one DatabaseError naming the file
             con.execute(PREDICTIONS_SCHEMA)
+            if "experiment" not in _columns(con, "main", "predictions"):  # an older advise's
+                con.execute("ALTER TABLE predictions ADD COLUMN experiment TEXT")
             con.executemany(f"INSERT INTO predictions ({', '.join(PREDICTION_COLUMNS)}) "
                             f"VALUES ({', '.join('?' * len(PREDICTION_COLUMNS))})",
                             [[row[c] for c in PREDICTION_COLUMNS] for row in rows])
@@ -523,6 +527,8 @@ def _merge_attached(con: sqlite3.Connection) -> tuple[int, int]:
             continue
         con.execute(sql.replace("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1))
         rest = [c for c in _columns(con, "src", table) if c != "id"]
+        for column in [c for c in rest if c not in _columns(con, "main", table)]:  # a newer's
+            con.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
         listed = ", ".join(rest)  # rows the target holds already are not copied twice
         con.execute(f"INSERT INTO {table} ({listed}) SELECT {listed} FROM src.{table} "
                     f"EXCEPT SELECT {listed} FROM main.{table}")

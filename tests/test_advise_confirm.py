@@ -57,11 +57,15 @@ def test_force_confirms_it_anyway_under_the_time_limit_given(db, monkeypatch, ca
 
 
 def cpu_db(tmp_path, make_config) -> ResultsDB:
-    """Two recorded CPU runs of original (real configs, tensor-meter figures) to fit."""
+    """Two recorded CPU runs of original (real configs, resolved as the runner stores them,
+    so that a confirm run is of their experiment; tensor-meter figures) to fit."""
+    from memstudy.runner import resolved
+
     db = ResultsDB(tmp_path / "cpu.sqlite")
     for size, peak_mb in ((192, 300), (256, 400)):
         cfg = make_config(size=size)
         cfg.train.validate = False
+        cfg = resolved(cfg)
         metrics = [(0, phase, key, value) for phase in ("forward", "backward", "step")
                    for key, value in (("tensor_start_bytes", 200 * MB),
                                       ("tensor_peak_bytes", peak_mb * MB))]
