@@ -97,11 +97,13 @@ def assert_exact(tiled: dict, plain: dict, tol: float) -> None:
     (128, 160, {"levels": 3, "tiles": 3, "keep": "bn"}, 2),  # ... and layer1's sweeps
     (128, 160, {"levels": 3, "tiles": 3, "layer1": "blocks"}, 2),  # a region per BasicBlock
     (128, 160, {"levels": 3, "tiles": 5, "keep": "all", "layer1": "convs"}, 1),  # + a<j> kept
+    # tile:stream: the boundaries only tiled regions read assembled in host memory
+    (128, 160, {"levels": 3, "tiles": 3, "layer1": "convs", "stream": True}, 2),
 ], ids=["levels2-3tiles", "levels2-rows80-odd-size-batch2", "levels1-5tiles",
         "levels2-keep-conv1", "levels3-3tiles", "levels3-rows64-keep-conv1", "levels2-keep-all",
         "levels2-keep-bn", "levels2-keep-half-batch2", "levels3-keep-bn-batch2",
         "levels3-layer1-blocks-batch2",
-        "levels3-layer1-convs-5tiles"])
+        "levels3-layer1-convs-5tiles", "levels3-layer1-convs-stream-batch2"])
 def test_tiled_step_equals_untiled_float64(height, width, tiling, batch):
     plain = untiled_step(height, width, torch.float64, batch)
     assert_exact(train_step(height, width, torch.float64, tiling, batch), plain,
@@ -331,3 +333,14 @@ def test_folded_up_convolution_equals_upsampling_then_convolution(skip_channels)
     want = torch.autograd.grad(plain, leaves, grad)
     for a, b in [(folded, plain), *zip(got, want)]:
         assert ((a - b).norm() / b.norm()).item() < 1e-12
+
+
+def test_stream_keeps_in_host_memory_only_what_tiled_regions_read():
+    """tile:stream: the layer1 regions' and the decoder's kept boundaries, not the untiled
+    levels' input (`low`) nor the network output (`out`); none without stream."""
+    model = build_unet(seed=0)
+    specs = dict(levels=3, tiles=3, layer1="convs")
+    assert TiledForward(model, **specs).host_outputs() == set()
+    assert TiledForward(model, **specs, stream=True).host_outputs() == {
+        "p0", "a0", "p1", "a1", "p2", "a2", "z2", "z3"}
+    assert TiledForward(model, levels=2, stream=True).host_outputs() == {"z3"}

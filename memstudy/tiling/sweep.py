@@ -25,6 +25,14 @@ of the owned output rows, merged in the same sweep that writes them. The next re
 as given statistics instead of running a sweep that only re-reads its input, and `_Apply`'s
 backward adds their gradient (the `_Stats` formula on the recomputed output) to grad_out's rows.
 
+Streaming (`host=True`, tile:stream): the region's output is assembled in host memory
+(pinned on CUDA) instead of on the device, its input strips come from wherever the inputs lie
+(a host boundary's strip is copied in as its tile starts), and a host input's gradient adds up
+on the host, a strip's rows at a time. The sweeps compute on `Sweep.device` either way, and the
+same rows are added in the same order, so the values are the device path's to the bit. What
+the device then holds of a region is one strip's working set; the copies share the compute
+stream, which orders them with the kernels that read and write the same rows.
+
 Numerics: tile statistics are merged with Chan's parallel formula in float32 (float64 for a
 float64 model); normalisation (fused with the ReLU after it: memstudy/tiling/norm.py) runs in
 that precision from the explicit statistics and casts back to the convolution's dtype, as
@@ -109,13 +117,45 @@ class TileRun:
             return reached.z
 
 
-def strips_of(region: Region, tile: Tile, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tile's rows of each input, once they are on the device (an input offload brings
-    back by rows may still be arriving: runtime.RowArrivals)."""
+def strips_of(region: Region, tile: Tile, inputs: Sequence[torch.Tensor],
+              device: torch.device | None = None) -> list[torch.Tensor]:
+    """The tile's rows of each input on `device` (default: where each input lies): a host
+    input's strip is copied in (tile:stream); an input offload brings back by rows may still
+    be arriving (runtime.RowArrivals)."""
     q0, q1 = tile.strip
     for x, f in zip(inputs, region.input_factors):
         ROWS_IN.await_rows(x, f * q0, f * q1)
-    return [x[..., f * q0:f * q1, :] for x, f in zip(inputs, region.input_factors)]
+    return [on_device(x[..., f * q0:f * q1, :], device)
+            for x, f in zip(inputs, region.input_factors)]
+
+
+def on_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """`t` on `device` (itself where it lies there, or no device is asked for); a copy from
+    pinned host memory is asynchronous on the current stream."""
+    if device is None or t.device == device:
+        return t
+    return t.to(device, non_blocking=True)
+
+
+def host_empty(shape, dtype: torch.dtype, device: torch.device | None,
+               memory_format=torch.contiguous_format) -> torch.Tensor:
+    """An uninitialised host tensor, pinned where the tiles compute on CUDA (`device`), so that
+    copies to and from it are asynchronous and run at full PCIe speed."""
+    return torch.empty(shape, dtype=dtype, device="cpu", memory_format=memory_format,
+                       pin_memory=device is not None and device.type == "cuda")
+
+
+def add_rows(full: torch.Tensor, lo: int, hi: int, part: torch.Tensor) -> None:
+    """full[..., lo:hi, :] += part, where `full` may be a host tensor and `part` on the device:
+    the rows are brought in, added on the device and written back (a strip's worth of device
+    memory; the same additions in the same order as on the device)."""
+    rows = full[..., lo:hi, :]
+    if rows.device == part.device:
+        rows += part
+        return
+    summed = rows.to(part.device, non_blocking=True)
+    summed += part
+    rows.copy_(summed, non_blocking=True)
 
 
 # -- the two sweeps as autograd Functions ------------------------------------------------------
@@ -136,6 +176,8 @@ class Sweep:
     recording: bool = False  # the forward ran with grad enabled: backward will follow
     graphs: Any = None  # memstudy.tiling.graphs.TileGraphs: tile bodies replayed as CUDA graphs
     out_stats: bool = False  # _Apply also returns the statistics of its output (out_norm's)
+    device: torch.device | None = None  # where the tiles compute (None: where the inputs lie)
+    host: bool = False  # the output is assembled in host memory (tile:stream)
     input_grads: list = field(init=False)  # per input: the shared buffer, or None
     pending: list = field(init=False)  # per input: Functions yet to add into it
     # The region's inputs are saved once, by _Apply, whose backward runs first (every _Stats
@@ -173,8 +215,13 @@ class Sweep:
                 self.pending[i] += bool(needs[i])
 
     def input_grad(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """The shared gradient of input i, where the input lies (a host input's on the host)."""
         if self.input_grads[i] is None:
-            self.input_grads[i] = torch.zeros_like(like)
+            on_host = like.device.type == "cpu" and self.device is not None \
+                and self.device.type != "cpu"
+            self.input_grads[i] = (host_empty(like.shape, like.dtype, self.device,
+                                              memory_format_of(like)).zero_()
+                                   if on_host else torch.zeros_like(like))
         return self.input_grads[i]
 
     def settle(self, i: int) -> torch.Tensor | None:
@@ -236,7 +283,7 @@ class _Stats(torch.autograd.Function):
                 acc = merge(acc, sweep.graphs.moments(sweep, tile, inputs, stats, k))
             else:
                 acc = merge(acc, moments(TileRun(sweep.region, tile, stats, target=k)(
-                    strips_of(sweep.region, tile, inputs)), sweep.region.kernels))
+                    strips_of(sweep.region, tile, inputs, sweep.device)), sweep.region.kernels))
         count, mean, m2 = acc
         counts[k] = count
         var = m2 / count
@@ -273,11 +320,12 @@ class _Apply(torch.autograd.Function):
             if sweep.graphs is not None:
                 part = sweep.graphs.output(sweep, tile, inputs, stats)
             else:
-                part = TileRun(sweep.region, tile, stats)(strips_of(sweep.region, tile, inputs))
+                part = TileRun(sweep.region, tile, stats)(strips_of(sweep.region, tile, inputs,
+                                                                    sweep.device))
             if out is None:
                 out = _full_like(part, inputs, sweep)
             factor = part.shape[-2] // (tile.own[1] - tile.own[0])
-            out[..., factor * tile.own[0]:factor * tile.own[1], :] = part
+            out[..., factor * tile.own[0]:factor * tile.own[1], :].copy_(part, non_blocking=True)
             if sweep.out_stats:
                 acc = merge(acc, moments(part, sweep.region.kernels))
         ctx.sweep = sweep
@@ -327,6 +375,12 @@ class Seed:
             return None
         return self.grad_out[..., factor * tile.own[0]:factor * tile.own[1], :]
 
+    def rows_on(self, tile: Tile, out: torch.Tensor) -> torch.Tensor | None:
+        """`rows` for the tile whose owned output is `out`, on out's device (a host
+        grad_out, tile:stream, is copied in a strip at a time)."""
+        rows = self.rows(tile, out.shape[-2] // (tile.own[1] - tile.own[0]))
+        return None if rows is None else on_device(rows, out.device)
+
 
 def seed_gradient(z: torch.Tensor, rows: torch.Tensor | None,
                   affine: Sequence[torch.Tensor] | None, kernels: str) -> torch.Tensor:
@@ -339,8 +393,11 @@ def _full_like(part: torch.Tensor, inputs: list[torch.Tensor], sweep: Sweep) -> 
     """The region's full output, in the strips' memory format (channels_last stays so)."""
     total = sweep.tiles[-1].own[1]
     factor = part.shape[-2] // (sweep.tiles[0].own[1] - sweep.tiles[0].own[0])
-    return torch.empty((*part.shape[:2], factor * total, part.shape[-1]), dtype=part.dtype,
-                       device=part.device, memory_format=memory_format_of(part))
+    shape = (*part.shape[:2], factor * total, part.shape[-1])
+    if sweep.host:  # tile:stream: the device holds a strip of it at a time
+        return host_empty(shape, part.dtype, part.device, memory_format_of(part))
+    return torch.empty(shape, dtype=part.dtype, device=part.device,
+                       memory_format=memory_format_of(part))
 
 
 def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: int | None,
@@ -359,8 +416,7 @@ def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: i
 
 
 def grad_seed(seed: Seed, tile: Tile, out: torch.Tensor, kernels: str) -> torch.Tensor:
-    rows = seed.rows(tile, out.shape[-2] // (tile.own[1] - tile.own[0]))
-    return seed_gradient(out, rows, seed.affine, kernels)
+    return seed_gradient(out, seed.rows_on(tile, out), seed.affine, kernels)
 
 
 def strip_gradient(run: TileRun, full: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
@@ -398,7 +454,7 @@ def _backprop_tile(sweep: Sweep, tile: Tile, inputs: list, stats: list, params: 
     the region's shared input gradients."""
     region, n = sweep.region, sweep.n_inputs
     strips = [s.detach().requires_grad_(needs[i]) for i, s in
-              enumerate(strips_of(region, tile, inputs))]
+              enumerate(strips_of(region, tile, inputs, sweep.device))]
     flat = [None if t is None else t.detach().requires_grad_(needs[n + i])
             for i, t in enumerate(flatten_stats(stats))]
     leaves = strips + flat + list(params)
@@ -425,7 +481,7 @@ def _backprop_tile(sweep: Sweep, tile: Tile, inputs: list, stats: list, params: 
             continue
         if i < n:  # an input strip: add into the region's shared input gradient
             f = region.input_factors[i]
-            sweep.input_grad(i, inputs[i])[..., f * q0:f * q1, :] += g
+            add_rows(sweep.input_grad(i, inputs[i]), f * q0, f * q1, g)
         else:
             grads[i] = g if grads[i] is None else grads[i] + g
 
@@ -443,17 +499,22 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
 
 
 def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
-               shared: Sequence[Stats] = (), graphs: Any = None
+               shared: Sequence[Stats] = (), graphs: Any = None,
+               device: torch.device | None = None, host: bool = False
                ) -> tuple[torch.Tensor, list[Stats], Stats | None]:
     """The region's output over the whole image, the statistics every norm used, and those of
-    the output for `region.out_norm` (None without one)."""
+    the output for `region.out_norm` (None without one). `device`: where the tiles compute
+    (default: where the first input lies); `host`: assemble the output in host memory
+    (tile:stream; the inputs may lie there too)."""
     # the inputs are what the region's Functions save: kept boundaries, which transforms
     # restricted to boundaries (offload / compress which=boundaries) must see; backward reads
     # them strip by strip (offload may bring them back by rows)
     mark_boundary(*inputs, rows=True)
     out_norm = region.out_norm
-    sweep = Sweep(region, tiles, autocast_state(inputs[0].device.type), torch.is_grad_enabled(),
-                  graphs, out_stats=out_norm is not None and out_norm.training)
+    device = device or inputs[0].device
+    sweep = Sweep(region, tiles, autocast_state(device.type), torch.is_grad_enabled(),
+                  graphs, out_stats=out_norm is not None and out_norm.training,
+                  device=device, host=host)
     params = region.params()
     stats: list[Stats | None] = list(shared) + [None] * (len(region.norms) - region.shared)
     counts: dict[int, int] = {}

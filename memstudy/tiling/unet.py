@@ -239,10 +239,11 @@ class TiledForward:
 
     def __init__(self, unet: nn.Module, levels: int = 2, tiles: int = 0, rows: int = 0,
                  keep: str = "conv1", graphs: TileGraphs | None = None, layer1: str = "whole",
-                 kernels: str = "triton"):
+                 kernels: str = "triton", stream: bool = False):
         """`graphs`: replay the tile bodies as CUDA graphs (memstudy/tiling/graphs.py); None
         runs them eagerly. `layer1`: how levels=3 cuts layer1 into regions (chain.region_specs).
-        `kernels`: the tiled BatchNorms' on CUDA, triton or torch (memstudy/tiling/norm.py)."""
+        `kernels`: the tiled BatchNorms' on CUDA, triton or torch (memstudy/tiling/norm.py).
+        `stream`: the boundaries only tiled regions read lie in host memory (`host_outputs`)."""
         check_levels(levels, "tile:levels")
         check_keep(keep, "tile:keep")
         check_layer1(layer1, levels, "tile:layer1")
@@ -250,6 +251,7 @@ class TiledForward:
         self.unet, self.levels, self.tiles, self.rows, self.keep = unet, levels, tiles, rows, keep
         self.graphs = graphs
         self.specs = region_specs(levels, keep, layer1, layer1_of(unet))
+        self.stream = stream
         produced: set[str] = set()
         self.regions = {spec.name: build_region(unet, spec, levels, produced, kernels)
                         for spec in self.specs}
@@ -258,6 +260,14 @@ class TiledForward:
         self.last_read = {spec.name: set(spec.inputs) - {"x"} - {
             n for later in self.specs[i + 1:] for n in later.inputs}
             for i, spec in enumerate(self.specs)}
+
+    def host_outputs(self) -> set[str]:
+        """With `stream`: the region outputs that only later tiled regions read, kept in host
+        memory. Not `low` (the untiled levels' input, whole on the device) nor `out` (the
+        loss's)."""
+        if not self.stream:
+            return set()
+        return {spec.output for spec in self.specs} - {"low", "out"}
 
     def plan(self, height: int) -> dict[str, list]:
         unit = 2 ** self.levels
@@ -285,8 +295,10 @@ class TiledForward:
         (so that a boundary an offload moved to the host leaves the device)."""
         region = self.regions[spec.name]
         shared = [stats[name] for name in region.norm_names[:region.shared]]
+        device = next(self.unet.parameters()).device
         out, own, out_stats = run_region(region, tiles, [values[n] for n in spec.inputs],
-                                         shared, self.graphs)
+                                         shared, self.graphs, device,
+                                         host=spec.output in self.host_outputs())
         stats.update(zip(region.norm_names, own))
         if out_stats is not None:
             stats[spec.out_norm] = out_stats

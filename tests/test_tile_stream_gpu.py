@@ -1,0 +1,65 @@
+"""tile:stream on a GPU: the boundaries only tiled regions read lie in pinned host memory, the
+step's values are the device path's, and the device's peak drops by what they held."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memstudy.models import build_unet
+from memstudy.tiling import sweep
+from memstudy.tiling.unet import TiledForward
+
+pytestmark = pytest.mark.gpu
+
+TILING = dict(levels=3, tiles=4, layer1="convs", kernels="torch")
+
+
+def _step(size: int, stream: bool):
+    """One float32 training step of the tiled ResNet-34 U-Net on the GPU; its output, input
+    gradient, parameter gradients and the device's peak above the step's start."""
+    torch.manual_seed(0)
+    model = build_unet(seed=0).cuda().train()
+    model.forward_padded = TiledForward(model, **TILING, stream=stream)
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(1, 1, size, size, generator=g).cuda().requires_grad_(True)
+    y = torch.rand(1, 1, size, size, generator=g).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    out = model(x)
+    ((out - y) ** 2).mean().backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return out.detach(), x.grad.detach(), grads, peak
+
+
+def test_stream_places_boundaries_in_pinned_host_memory(monkeypatch):
+    made = []
+    full_like = sweep._full_like
+
+    def recording(part, inputs, sw):
+        out = full_like(part, inputs, sw)
+        made.append((sw.region.name, out.device.type, out.is_pinned() if out.device.type ==
+                     "cpu" else None))
+        return out
+
+    monkeypatch.setattr(sweep, "_full_like", recording)
+    _step(256, stream=True)
+    on_host = {name for name, device, pinned in made if device == "cpu"}
+    assert all(pinned for _n, device, pinned in made if device == "cpu")
+    assert on_host == {"stem", "layer1.0.conv1", "layer1.0", "layer1.1.conv1", "layer1.1",
+                       "layer1.2.conv1", "block2.conv1", "block3.conv1"}
+    assert {name for name, device, _p in made if device == "cuda"} == {"layer1.2", "top"}
+
+
+def test_stream_step_equals_the_device_step_and_holds_less():
+    """Same values (float32, relative 1e-5: the same additions, convolution algorithms chosen
+    per call) and a lower device peak at 1024 px, where the host boundaries are 8 of 64
+    channels x 256 x 256 (2 MiB each) and more."""
+    plain = _step(1024, stream=False)
+    streamed = _step(1024, stream=True)
+    for a, b in zip((plain[0], plain[1], *plain[2].values()),
+                    (streamed[0], streamed[1], *streamed[2].values())):
+        assert ((a - b).norm() / a.norm().clamp_min(1e-30)).item() < 1e-5
+    assert streamed[3] < plain[3]
