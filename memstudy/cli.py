@@ -12,7 +12,7 @@ from memstudy.config import RunConfig, load_toml, set_value, split_techniques
 from memstudy.errors import ConfigError, MemstudyError
 from memstudy.phases import TRAIN_PHASES
 from memstudy.console import eprint
-from memstudy.techniques import check_early
+from memstudy.techniques import check_early, parse_techniques
 from memstudy.sizes import check_input_fits, parse_size
 from memstudy.store import RANK_MAX, RANK_MEAN, ResultsDB, check_writable, default_db_path
 from memstudy.text_table import phase_table
@@ -63,7 +63,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    check_early(cfg)  # config, size, technique and file errors before torch is imported
+    check_early(cfg)  # config, size, technique, option and file errors before torch loads
     check_input_fits(cfg.train.image_size, cfg.train.batch_size)  # refused, never recorded
     check_writable(args.db)  # before anything trains: a run that cannot be stored is lost
     from memstudy.launch import launched_by_torchrun, run_distributed
@@ -245,15 +245,17 @@ def _run_grid_jobs(spec, args: argparse.Namespace):
 
 
 def cmd_maxres(args: argparse.Namespace) -> int:
-    from memstudy.maxres import maxres_table, search_all
-
     cfg = config_from_args(args)
     if cfg.budget is None:
         raise ConfigError("memstudy maxres needs --budget, e.g. --budget 8GiB")
     sets = [split_techniques(s) for s in args.sets] if args.sets else [cfg.techniques]
+    for techniques in sets:  # a mistyped technique or option before torch loads
+        parse_techniques(techniques)
     fit = [int(s) for s in args.fit_sizes.split(",")]
     check_input_fits(args.max_size, cfg.train.batch_size, "maxres --max-size")
     check_writable(args.db)
+    from memstudy.maxres import maxres_table, search_all  # torch: once the arguments are checked
+
     results = search_all(cfg, sets, args.db, fit_sizes=fit, max_size=args.max_size,
                          timeout_s=args.timeout, progress=None if args.quiet else eprint,
                          step=args.step)

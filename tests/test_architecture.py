@@ -5,8 +5,9 @@
   those inside functions), except the listed KNOWN_UPWARD ones, each to be removed.
 - No import cycles between parts of memstudy. A part is a subpackage (memstudy.meters, ...),
   a top-level module (memstudy.train, ...), or, inside memstudy.techniques, the registry
-  (the package itself and base.py) apart from each technique module and compose.py: technique
-  modules are plugins the registry loads by name, and they may use the harness below them.
+  (the package itself, base.py, _registry.py and options.py) apart from each technique
+  module and compose.py: technique modules are plugins the registry loads by name, and they
+  may use the harness below them.
   Every import counts, also those inside functions (a cycle hidden in a function is still a
   cycle); only `if TYPE_CHECKING:` blocks are left out.
 - `import memstudy.config` loads neither torch nor cv2 (the grid parent and reports use it).
@@ -52,7 +53,7 @@ def part_of(module: str) -> str:
     """The part a module belongs to (see the module docstring)."""
     parts = module.split(".")
     if parts[:2] == ["memstudy", "techniques"]:
-        registry = len(parts) == 2 or parts[2] in ("base", "_registry")
+        registry = len(parts) == 2 or parts[2] in ("base", "_registry", "options")
         return "memstudy.techniques" if registry else ".".join(parts[:3])
     return ".".join(parts[:2])
 

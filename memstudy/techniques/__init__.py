@@ -11,17 +11,19 @@ from typing import Any
 
 from memstudy import run_length
 from memstudy.errors import ConfigError
-from memstudy.techniques._registry import (composition_key, get_technique, list_techniques,
-                                           register, technique_names)
-from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques._registry import (composition_key, declared, get_technique,
+                                           list_techniques, register, technique_names)
+from memstudy.techniques.base import Build, Declared, Plan, Stage, Technique
+
 
 def parse_techniques(specs: list[str]) -> dict[str, Any]:
     """['amp:bf16', 'checkpoint'] -> {name: options} in composition order (`composition_key`),
-    whatever order `specs` lists them in."""
-    chosen: dict[str, tuple[Technique, Any]] = {}
+    whatever order `specs` lists them in. Torch-free: the declarations of options.py, no
+    technique module, so a wrong name or option is refused before torch loads."""
+    chosen: dict[str, tuple[Declared, Any]] = {}
     for spec in specs:
         name, *args = [p.strip() for p in spec.split(":")]
-        tech = get_technique(name)
+        tech = declared(name)
         if name in chosen:
             raise ConfigError(f"technique {name!r} given twice in techniques {specs}; keep one")
         chosen[name] = (tech, tech.parse(args))
@@ -40,24 +42,13 @@ def shards_batch(specs: list[str]) -> bool:
     return bool(declaring(specs, "shards_batch"))
 
 
-def check_names(specs: list[str]) -> None:
-    """Refuse an unknown technique name without importing any technique module (so a typo
-    is answered before torch loads): each technique module registers the technique of its
-    own name (tests/test_registry.py checks that)."""
-    known = technique_names()
-    for spec in specs:
-        name = spec.split(":")[0].strip()
-        if name not in known:
-            raise ConfigError(f"unknown technique {name!r}; valid: {known} "
-                              "(see `memstudy techniques`)")
-
-
-def check_early(config) -> None:
+def check_early(config) -> dict[str, Any]:
     """What can be refused before torch and the technique modules load: the config's own
-    checks (types, ranges, sizes, data source, files) and the technique names. make_plan
-    refuses the rest (options, combinations, the device)."""
+    checks (types, ranges, sizes, data source, files), then the technique list, parsed with
+    its options (names, option names and values: options.py). Returns the parsed techniques
+    (parse_techniques). make_plan refuses the rest (combinations, the device)."""
     config.check()
-    check_names(config.techniques)
+    return parse_techniques(config.techniques)
 
 
 def micro_batches(specs: list[str], most: bool = False) -> int:
@@ -107,4 +98,4 @@ def canonical(specs: list[str]) -> list[str]:
 __all__ = ["Build", "Plan", "Stage", "Technique", "register", "list_techniques",
            "get_technique", "parse_techniques", "canonical", "composition_key", "declaring",
            "shards_batch", "micro_batches", "planned_steps", "resolve_run_settings",
-           "check_early", "check_names", "technique_names"]
+           "check_early", "declared", "technique_names"]

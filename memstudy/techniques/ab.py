@@ -22,27 +22,12 @@ each decomposition and `ab_sync` at each synchronisation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from memstudy.errors import ConfigError
 from memstudy.techniques import planned_steps, register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import AbOptions as Options
 
 COMPOSES_WITH = ("dp", "amp", "checkpoint", "offload")
-
-
-@dataclass
-class Options:
-    warmup: int | None = field(default=None, metadata={
-        "help": "full-rank DP steps first; none: 20% of the planned steps (section 5.3.3)"})
-    ab_steps: int | None = field(default=None, metadata={
-        "help": "steps of independent A / B group training per cycle; none: 3.33% of the run"})
-    rebound: int | None = field(default=None, metadata={
-        "help": "full-rank DP steps after each synchronisation; none: ab_steps / 4"})
-    sigma_cutoff: float = field(default=0.1, metadata={
-        "help": "singular values below sigma_cutoff * the largest are dropped (eq. 5.4)"})
-    skip_first: bool = field(default=True, metadata={"help": "keep the stem conv full rank"})
-    skip_last: bool = field(default=True, metadata={"help": "keep the head conv full rank"})
 
 
 def resolved(opts: Options, config) -> tuple[int, int, int]:

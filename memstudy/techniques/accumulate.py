@@ -30,33 +30,16 @@ squared norm per parameter tensor per micro-batch and one per step. docs/techniq
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 import torch
 
 from memstudy.errors import ConfigError
 from memstudy.runtime import MicroBatch, StepInfo
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import DEFAULT_K_MAX
+from memstudy.techniques.options import AccumulateOptions as Options
 
-MODES = ("fixed", "adaptive")
 EPS = 1e-12  # eq. 6's epsilon: keeps the ratio finite for sigma_target -> 0
-DEFAULT_K_MAX = 8
-
-
-@dataclass
-class Options:
-    k: int = field(default=2, metadata={
-        "help": "micro-batches of train.batch_size images per optimizer step (adaptive: the "
-                "first step's k)"})
-    mode: str = field(default="fixed", metadata={
-        "choices": MODES, "help": "fixed: k every step; adaptive: k from the gradient variance "
-                                  "(eq. 6-7)"})
-    k_max: int = field(default=DEFAULT_K_MAX, metadata={"help": "adaptive only: largest k"})
-    sigma_target: float | None = field(default=None, metadata={
-        "help": "adaptive only (required): target gradient standard deviation, in the units "
-                "of sqrt(sum_j ||g_j - g_acc||^2 / (k-1)); the recorded accum_sigma2 series "
-                "shows a run's sigma^2"})
 
 
 def check(opts: Options, plan: Plan) -> None:

@@ -33,27 +33,14 @@ allocator itself reports, compared with that string (`allocator_verified`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-
 import torch
 
 from memstudy import cuda_allocator
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
-
-MIN_SPLIT_MB = 20  # PyTorch refuses max_split_size_mb below its 20 MiB large-block size
-
-
-@dataclass
-class Options:
-    expandable_segments: bool = field(default=False, metadata={
-        "help": "segments grow by mapping pages instead of new segments being allocated"})
-    garbage_collection_threshold: float = field(default=0.0, metadata={
-        "help": "0 < t < 1: release unused cached blocks once reserved passes t of the "
-                "allowed memory; 0 = off"})
-    max_split_size_mb: int = field(default=0, metadata={
-        "help": f"blocks larger than this (MiB, >= {MIN_SPLIT_MB}) are never split; 0 = unlimited"})
+from memstudy.techniques.options import MIN_SPLIT_MB
+from memstudy.techniques.options import AllocatorOptions as Options
 
 
 def settings(opts: Options) -> str:

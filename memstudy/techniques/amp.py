@@ -21,37 +21,20 @@ The source study ([Study] (docs/references.md)) measured fp16 AMP, so `amp` alon
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-
 import torch
 
 from memstudy.env import compute_capability
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import AmpOptions as Options
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-DEFAULT_INIT_SCALE = 2.0 ** 16  # torch.amp.GradScaler's own default
 TF32_MIN_CAPABILITY = (8, 0)  # Ampere: the first GPUs with TF32 tensor cores
 
 
-@dataclass
-class Options:
-    dtype: str = field(default="fp16", metadata={
-        "choices": ("fp16", "bf16", "tf32"),
-        "help": "fp16: autocast float16 + dynamic loss scaling; bf16: autocast bfloat16; "
-                "tf32: float32 storage, TF32 tensor-core matmuls/convolutions"})
-    init_scale: float = field(default=DEFAULT_INIT_SCALE, metadata={
-        "help": "fp16 only: initial loss scale of the GradScaler (halved on overflow, doubled "
-                "after 2000 clean steps)"})
-
-
 def check(opts: Options, plan: Plan) -> None:
-    if opts.init_scale != DEFAULT_INIT_SCALE and opts.dtype != "fp16":
-        raise ConfigError(f"amp: init_scale applies only to dtype=fp16 (got dtype={opts.dtype}); "
-                          "drop amp:init_scale or use amp:fp16")
-    if not opts.init_scale > 0:
-        raise ConfigError(f"amp: init_scale must be > 0 (got {opts.init_scale})")
+    # init_scale: refused by Options itself (memstudy/techniques/options.py)
     if opts.dtype == "fp16" and plan.device.type != "cuda":
         # CPU autocast does run float16, but through slow, unrepresentative kernels; the study
         # measured fp16 on a GPU. Refuse rather than measure something else.

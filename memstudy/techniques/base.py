@@ -1,9 +1,10 @@
 """The technique protocol: a named, staged transformation of a built pipeline.
 
 A technique is one module in this package that calls `register(Technique(...))`. It has
-a small options dataclass (the first field is the positional option, so `amp:bf16`
-sets `dtype`), a `check` that refuses impossible combinations before anything is built,
-and an `apply` that acts on the `Build` (model, runtime policies, optimizer factory).
+a small options dataclass, declared torch-free in options.py with the technique's stage and
+order (the first field is the positional option, so `amp:bf16` sets `dtype`), a `check`
+that refuses impossible combinations before anything is built, and an `apply` that acts on
+the `Build` (model, runtime policies, optimizer factory).
 
 It also declares what composition needs to know about it (`order` within its stage and facts
 such as `shards_batch` or `owns_process_group`), each with a default that fits most
@@ -146,30 +147,55 @@ class Technique:
 
     def parse(self, args: list[str]) -> Any:
         """Options from ['bf16'] or ['placement=sqrt', 'segments=4']; errors name the option."""
-        fields = dataclasses.fields(self.options)
-        hints = typing.get_type_hints(self.options)
-        values: dict[str, Any] = {}
-        for i, arg in enumerate(args):
-            key, sep, text = arg.partition("=")
-            if not sep:
-                if i > 0 or not fields:
-                    raise ConfigError(f"technique {self.name}: {arg!r} needs a name, e.g. "
-                                      f"{self.name}:{fields[0].name if fields else 'option'}=...")
-                key, text = fields[0].name, arg
-            match = [f for f in fields if f.name == key]
-            if not match:
-                raise ConfigError(f"technique {self.name} has no option {key!r}; options: "
-                                  f"{[f.name for f in fields]}")
-            values[key] = _convert(self.name, match[0], hints[key], text)
-        return self.options(**values)
+        return parse_options(self.name, self.options, args)
 
     def canonical(self, options: Any) -> str:
-        """Every option spelled out, except an option added after runs were recorded
-        (metadata "hash_neutral") at its default: those runs did what the default does, and
-        their configs keep their hashes (grids and maxres probes resume)."""
-        parts = [f"{f.name}={getattr(options, f.name)}" for f in dataclasses.fields(options)
-                 if not (f.metadata.get("hash_neutral") and getattr(options, f.name) == f.default)]
-        return ":".join([self.name, *parts])
+        return canonical_options(self.name, options)
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What parsing a technique list needs, without torch (memstudy/techniques/options.py):
+    the name, the options dataclass, and where it composes (stage, then order)."""
+    name: str
+    stage: Stage
+    options: type
+    order: int = 50
+
+    def parse(self, args: list[str]) -> Any:
+        return parse_options(self.name, self.options, args)
+
+    def canonical(self, options: Any) -> str:
+        return canonical_options(self.name, options)
+
+
+def parse_options(name: str, options: type, args: list[str]) -> Any:
+    """Options from ['bf16'] or ['placement=sqrt', 'segments=4']; errors name the option."""
+    fields = dataclasses.fields(options)
+    hints = typing.get_type_hints(options)
+    values: dict[str, Any] = {}
+    for i, arg in enumerate(args):
+        key, sep, text = arg.partition("=")
+        if not sep:
+            if i > 0 or not fields:
+                raise ConfigError(f"technique {name}: {arg!r} needs a name, e.g. "
+                                  f"{name}:{fields[0].name if fields else 'option'}=...")
+            key, text = fields[0].name, arg
+        match = [f for f in fields if f.name == key]
+        if not match:
+            raise ConfigError(f"technique {name} has no option {key!r}; options: "
+                              f"{[f.name for f in fields]}")
+        values[key] = _convert(name, match[0], hints[key], text)
+    return options(**values)
+
+
+def canonical_options(name: str, options: Any) -> str:
+    """Every option spelled out, except an option added after runs were recorded
+    (metadata "hash_neutral") at its default: those runs did what the default does, and
+    their configs keep their hashes (grids and maxres probes resume)."""
+    parts = [f"{f.name}={getattr(options, f.name)}" for f in dataclasses.fields(options)
+             if not (f.metadata.get("hash_neutral") and getattr(options, f.name) == f.default)]
+    return ":".join([name, *parts])
 
 
 def _convert(tech: str, f: dataclasses.Field, hint: Any, text: str) -> Any:

@@ -60,7 +60,7 @@ import contextlib
 import functools
 import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -78,28 +78,13 @@ from memstudy.network import encoder_of
 from memstudy.runtime import CheckpointRegions, mark_boundary
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import CheckpointOptions as Options
 from memstudy.techniques.invertible import MomentumBlocks
 
-PLACEMENTS = ("block", "sqrt", "selective", "modules")
 SAVED_OPS = {torch.ops.aten.convolution.default}  # `selective` keeps these outputs
 # modules that draw random numbers in training: only regions holding one need the RNG state
 # stashed in forward and restored for the recomputation (preserve_rng_state)
 RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
-
-
-@dataclass
-class Options:
-    placement: str = field(default="block", metadata={
-        "choices": PLACEMENTS,
-        "help": "block: each residual / decoder block; sqrt: ~sqrt(L) segments; selective: per "
-                "block, convolution outputs kept, the rest recomputed; modules: each named "
-                "module of any network (e.g. a model.factory one)"})
-    segments: int = field(default=0, metadata={
-        "help": "sqrt only: number of even segments over the L units (0 = round(sqrt(L)))"})
-    modules: str = field(default="", metadata={
-        "hash_neutral": True,  # added after runs were recorded: their canonical form stays
-        "help": "modules only: '+'-separated module names (e.g. 'encoder+decoder'); empty = "
-                "every top-level module that holds parameters"})
 
 
 def check(opts: Options, plan: Plan) -> None:

@@ -60,7 +60,6 @@ for Inductor on the CPU, no usable Triton on the GPU).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -69,10 +68,9 @@ from memstudy.env import compute_capability
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import CompileOptions as Options
 
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # these modes capture CUDA graphs
-BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
 # Backends whose partition is the min-cut one, where activation_memory_budget applies.
 MINCUT_BACKENDS = ("inductor", "aot_eager_decomp_partition")
 # Techniques verified to compose with compile (tests/test_tech_compile.py, the registry
@@ -94,25 +92,6 @@ NOT_COMPOSABLE = {
           "forward, which the compiled graph would split at every transfer",
     "pipeline": "pipeline schedules run the stages themselves (torch.distributed.pipelining)",
 }
-
-
-@dataclass
-class Options:
-    mode: str = field(default="default", metadata={
-        "choices": MODES,
-        "help": "torch.compile mode: default; reduce-overhead (CUDA graphs); max-autotune "
-                "(autotuned templates + CUDA graphs); max-autotune-no-cudagraphs"})
-    memory_budget: float = field(default=1.0, metadata={
-        "help": "activation_memory_budget, 0..1: saved activations as a fraction of the "
-                "default partition's; below 1 the partitioner recomputes in backward"})
-    dynamic: bool = field(default=False, metadata={
-        "help": "symbolic shapes (one graph for many sizes) instead of one graph per shape"})
-    fullgraph: bool = field(default=False, metadata={
-        "help": "refuse graph breaks: the run fails where the model cannot be one graph"})
-    backend: str = field(default="inductor", metadata={
-        "choices": BACKENDS,
-        "help": "inductor generates kernels; aot_eager(_decomp_partition) run the captured "
-                "graphs eagerly (for debugging: no kernel generation)"})
 
 
 def check(opts: Options, plan: Plan) -> None:

@@ -65,8 +65,6 @@ traces the pack hook and recompiles it past its limit) and, for grad_probe, with
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from memstudy.compression.codec import Compressor
@@ -77,41 +75,9 @@ from memstudy.kernels import quantize as qk
 from memstudy.kernels import resolve_impl
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import CompressOptions as Options
 
-WHICH = ("all", "boundaries")
-IMPLS = ("auto", "triton", "torch")
-GROUPINGS = ("channel", "memory")
 BOUNDARY_BITS = 8  # checkpoint region inputs with which=all, unless boundary_bits says otherwise
-
-
-@dataclass
-class Options:
-    bits: int = field(default=4, metadata={"help": "bits per element: 8, 4 or 2"})
-    group_size: int = field(default=256, metadata={
-        "help": "elements per quantisation group (own min and step): a power of two, 32..4096"})
-    which: str = field(default="all", metadata={
-        "choices": WHICH,
-        "help": "all: every saved float tensor; boundaries: only what checkpoint / tile keep "
-                "between regions"})
-    min_numel: int = field(default=16384, metadata={
-        "help": "saved tensors with fewer elements stay as they are"})
-    impl: str = field(default="auto", metadata={
-        "choices": IMPLS,
-        "help": "triton kernels, torch references, or auto (triton on CUDA, torch on the CPU)"})
-    boundary_bits: int = field(default=0, metadata={
-        "help": "bits for checkpoint region inputs, from which backward recomputes each region "
-                "(0: 8 with which=all, bits with which=boundaries)"})
-    relu_mask: bool = field(default=True, metadata={
-        "help": "ReLU saves a 1-bit sign mask instead of its output (which=all only)"})
-    pool_offsets: bool = field(default=True, metadata={
-        "help": "max-pool saves each maximum's place in its window (4 bits, exact) instead of "
-                "its int64 index (which=all only)"})
-    groups: str = field(default="channel", metadata={
-        "choices": GROUPINGS,
-        "help": "channels-last tensors: channel = group_size pixels of one channel per group; "
-                "memory = runs in memory order, across channels (the grouping until 2026-11-23)"})
-    grad_probe: bool = field(default=True, metadata={
-        "help": "re-run the last warm-up step uncompressed and record the gradient deviation"})
 
 
 def resolve_boundary_bits(opts: Options) -> int:

@@ -27,8 +27,6 @@ parameter average).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -37,22 +35,9 @@ from memstudy.distributed import context
 from memstudy.errors import ConfigError
 from memstudy.techniques import planned_steps, register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import DasoOptions as Options
 
 WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@dataclass
-class Options:
-    node_size: int = field(default=0, metadata={
-        "help": "ranks per (emulated) node; 0: the processes of one host (LOCAL_WORLD_SIZE)"})
-    B: int = field(default=4, metadata={"help": "cycling steps between global synchronisations"})
-    S: int = field(default=1, metadata={"help": "steps a global synchronisation may take (1..B)"})
-    warmup: int = field(default=2, metadata={"help": "first steps synchronised blockingly"})
-    cooldown: int = field(default=2, metadata={"help": "last steps synchronised blockingly"})
-    wire: str = field(default="bf16", metadata={"choices": tuple(WIRE),
-                                                "help": "precision of the global parameter send"})
-    backend: str = field(default="auto", metadata={
-        "choices": context.BACKENDS, "help": "auto: nccl on GPUs, gloo on the CPU"})
 
 
 def node_size(opts: Options, world: int) -> int:

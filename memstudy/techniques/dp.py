@@ -14,20 +14,13 @@ up to that difference (tests/test_distributed.py checks both facts).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from torch.nn.parallel import DistributedDataParallel
 
 from memstudy.distributed import context
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
-
-
-@dataclass
-class Options:
-    backend: str = field(default="auto", metadata={
-        "choices": context.BACKENDS, "help": "auto: nccl on GPUs, gloo on the CPU"})
+from memstudy.techniques.options import DpOptions as Options
 
 
 def check(opts: Options, plan: Plan) -> None:

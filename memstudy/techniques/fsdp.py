@@ -13,8 +13,6 @@ so the gather granularity follows the U-Net's blocks. Data are split as in dp.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -23,16 +21,8 @@ from memstudy.errors import ConfigError
 from memstudy.models import top_level_modules
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import FsdpOptions as Options
 from memstudy.tiling.validation import UNTILED_REASON
-
-
-@dataclass
-class Options:
-    mode: str = field(default="full", metadata={
-        "choices": ("full", "grad_op"),
-        "help": "full: ZeRO-3-like (reshard after forward); grad_op: ZeRO-2-like"})
-    backend: str = field(default="auto", metadata={
-        "choices": context.BACKENDS, "help": "auto: nccl on GPUs, gloo on the CPU"})
 
 
 def check(opts: Options, plan: Plan) -> None:

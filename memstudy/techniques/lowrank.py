@@ -17,33 +17,16 @@ combined.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from memstudy.errors import ConfigError
 from memstudy.techniques import planned_steps, register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import LowrankOptions as Options
 
 # Techniques verified to act correctly on a model whose parameters change during the run.
 # Wrappers that capture the parameter set at build time (DDP, FSDP, ZeRO, torch.compile) or
 # own the optimizer / module structure (tri_accel, quantization, invertible, mp, pipeline)
 # would silently train the wrong parameters, so they are refused by name.
 COMPOSES_WITH = ("amp", "checkpoint", "offload")
-
-
-@dataclass
-class Options:
-    d: int | None = field(default=None, metadata={
-        "help": "full-rank steps before the conversion (0: convert before the first step); "
-                "none: a third of the run's planned steps ([Coquelin] section 4.3)"})
-    nu: int = field(default=10, metadata={"help": "steps between base updates (eq. 4.13)"})
-    alpha: float = field(default=0.1, metadata={
-        "help": "fraction of the weights added to the update set per update, output side first"})
-    beta: float = field(default=0.1, metadata={
-        "help": "singular values below beta * the largest are dropped at each update"})
-    skip_first: bool = field(default=True, metadata={
-        "help": "keep the first conv (1-channel stem, 64 x 49) full rank"})
-    skip_last: bool = field(default=True, metadata={
-        "help": "keep the last conv (1-output head, 1 x 144) full rank"})
 
 
 def resolved_d(opts: Options, plan_or_config) -> int:

@@ -16,28 +16,16 @@ With amp:fp16 the two ranks' GradScalers skip overflowing steps together.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from memstudy.distributed import context, p2p
-from memstudy.lr_schedule import SCHEDULERS, add_scheduler, total_steps
+from memstudy.lr_schedule import add_scheduler, total_steps
 from memstudy.distributed.split import (DecoderHalf, EncoderHalf, LocalSplitUNet, P2PHalf,
                                         check_split_size)
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
-
-
-@dataclass
-class Options:
-    mode: str = field(default="process", metadata={
-        "choices": ("process", "local"),
-        "help": "process: one half per process (world_size 2); local: two GPUs, one process"})
-    scheduler: str = field(default="none", metadata={
-        "choices": SCHEDULERS, "help": "learning-rate schedule stepped after every step"})
-    backend: str = field(default="auto", metadata={
-        "choices": context.BACKENDS, "help": "mode=process: auto = nccl on GPUs, gloo on CPU"})
+from memstudy.techniques.options import MpOptions as Options
 
 
 def check(opts: Options, plan: Plan) -> None:

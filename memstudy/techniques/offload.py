@@ -78,7 +78,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -88,53 +87,10 @@ from memstudy.errors import ConfigError
 from memstudy.runtime import ROWS_IN, is_boundary, read_by_rows, watching_boundaries
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import OffloadOptions as Options
 
 # attribute on a host copy: (compute device, copy event, index, read by rows)
 OFFLOADED = "_memstudy_offloaded"
-WHICH = ("all", "boundaries")
-RELEASE = ("record", "stream")
-BACK_POOLS = ("compute", "side")
-
-
-@dataclass
-class Options:
-    min_bytes: int = field(default=64 * 1024, metadata={
-        "help": "saved tensors smaller than this stay on the device (copies of small tensors "
-                "cost more in latency than they save)"})
-    pin_memory: bool = field(default=True, metadata={
-        "help": "page-locked host buffers: asynchronous copies that overlap with compute; "
-                "false uses pageable memory and synchronous copies"})
-    prefetch: int = field(default=0, metadata={
-        "help": "backward brings copies back ahead of use on a side stream, at most this many "
-                "in flight (0: each copy is made when autograd asks for it)"})
-    row_chunks: int = field(default=16, metadata={
-        "help": "a tile region's inputs come back in this many row chunks, on a side stream, "
-                "and each tile waits only for the chunks of its strip (0: the whole tensor "
-                "on the compute stream, when autograd asks for it)"})
-    hold: int = field(default=0, metadata={
-        "help": "the last N tensors a forward would offload stay on the device instead: "
-                "backward needs them first, so their round trip over PCIe only adds traffic "
-                "(from the second step on, once a step's count of saved tensors is known)"})
-    release: str = field(default="record", metadata={
-        "choices": RELEASE,
-        "help": "record: a tensor copied to the host keeps its device memory until the caching "
-                "allocator sees the copy done (record_stream); stream: when the tensor is freed, "
-                "the compute stream waits for the copy (an event, no host sync) and the memory "
-                "is reusable at once"})
-    early: bool = field(default=False, metadata={
-        "help": "a tile region's inputs start their copy to the host as the region starts, so "
-                "it overlaps the region's sweeps (false: when the region's first sweep saves "
-                "them, after it)"})
-    back_pool: str = field(default="compute", metadata={
-        "choices": BACK_POOLS,
-        "help": "where copies back on the side stream (prefetch, row chunks) get their device "
-                "memory: compute, the compute stream's pool (the copy first waits for the work "
-                "queued there); side, the side stream's own pool (the copy waits only for its "
-                "copy out; freed memory stays cached for the side stream)"})
-    which: str = field(default="all", metadata={
-        "choices": WHICH,
-        "help": "all: every saved tensor above min_bytes; boundaries: only the tensors "
-                "checkpoint / tile keep between regions"})
 
 
 class Offloader:

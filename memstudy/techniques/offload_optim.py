@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -53,6 +53,7 @@ from memstudy.env import indexed_device
 from memstudy.errors import ConfigError, MemstudyError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import OffloadOptimOptions as Options
 
 # Optimizers whose update of a parameter reads only that parameter, its gradient, its state
 # and its group's settings (per element): narrowing the groups changes no byte of it.
@@ -67,14 +68,6 @@ OWN_THE_STATE = {
     "ab": "ab swaps the parameter groups during the run",
 }
 ALIGN = 256  # bytes: each state tensor's place in a flat buffer starts on this boundary
-
-
-@dataclass
-class Options:
-    bucket: str = field(default="64MB", metadata={
-        "help": "parameter bytes per bucket (e.g. 64MB): the state of at most two buckets is on "
-                "the device during the step (Adam: 2 x this each); a larger parameter is a "
-                "bucket of its own"})
 
 
 def bucket_bytes(opts: Options) -> int:

@@ -14,31 +14,20 @@ micro-batches on one device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from memstudy.distributed import context, p2p
 from memstudy.distributed.split import check_split_size
-from memstudy.lr_schedule import SCHEDULERS, add_scheduler, total_steps
+from memstudy.lr_schedule import add_scheduler, total_steps
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import PipelineOptions as Options
 from memstudy.techniques.mp import apply_process_split
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-@dataclass
-class Options:
-    micro_batches: int = field(default=2, metadata={"help": "pieces each batch is cut into"})
-    schedule: str = field(default="1f1b", metadata={"choices": tuple(SCHEDULES)})
-    scheduler: str = field(default="none", metadata={
-        "choices": SCHEDULERS, "help": "learning-rate schedule stepped after every step"})
-    backend: str = field(default="auto", metadata={
-        "choices": context.BACKENDS, "help": "auto: nccl on GPUs, gloo on the CPU"})
 
 
 def check(opts: Options, plan: Plan) -> None:

@@ -33,8 +33,6 @@ Choices:
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 from torch.ao import quantization as tq
@@ -43,18 +41,7 @@ from memstudy.errors import ConfigError
 from memstudy.runtime import StepInfo
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
-
-BACKENDS = ("x86", "fbgemm", "qnnpack")
-
-
-@dataclass
-class Options:
-    backend: str = field(default="x86", metadata={
-        "choices": BACKENDS,
-        "help": "whose default QAT qconfig: x86/fbgemm (per-channel weights, 7-bit activation "
-                "range), qnnpack (per-tensor weights, full 8-bit activations)"})
-    freeze_after: int = field(default=0, metadata={
-        "help": "stop updating the observers after this many optimizer steps (0: never)"})
+from memstudy.techniques.options import QuantizationOptions as Options
 
 
 class Float32FakeQuantize(nn.Module):

@@ -56,19 +56,19 @@ wrapping block forwards that tile bypasses).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from memstudy.errors import ConfigError
-from memstudy.kernels import IMPLS, resolve_impl
+from memstudy.kernels import resolve_impl
 from memstudy.models.unet import STRIDE
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
+from memstudy.techniques.options import DEFAULT_TILES
+from memstudy.techniques.options import TileOptions as Options
 from memstudy.tiling.graphs import CudaGraphs, TileGraphs
-from memstudy.tiling.chain import LAYER1
-from memstudy.tiling.levels import check_keep, check_layer1, check_levels, min_tile_rows
+from memstudy.tiling.levels import min_tile_rows
 from memstudy.tiling.unet import TiledForward
 
-DEFAULT_TILES = 4
 # technique -> why it cannot run with tile
 CONFLICTS = {
     "mp": "splits the model across devices, tile runs it whole",
@@ -78,58 +78,14 @@ CONFLICTS = {
 }
 
 
-@dataclass
-class Options:
-    tiles: int = field(default=0, metadata={
-        "help": f"number of full-width row strips (0 with rows=0: {DEFAULT_TILES})"})
-    rows: int = field(default=0, metadata={
-        "help": "rows per strip at full resolution instead of a count (multiple of 2**levels)"})
-    levels: int = field(default=2, metadata={
-        "help": "resolution levels tiled from full resolution down: 1 = full, 2 = full + half, "
-                "3 = full + half + quarter"})
-    keep: str = field(default="conv1", metadata={
-        "help": "kept boundaries between regions: none, conv1 (each tiled skip block's first "
-                "convolution output), all (every tiled decoder block's), half (every "
-                "BatchNorm's input but the full-resolution block's second) or bn (every "
-                "BatchNorm's input: one sweep per region): fewer recompute sweeps, more memory"})
-    graphs: bool = field(default=False, metadata={
-        "help": "replay each tile body as a CUDA graph, captured once per region, sweep and "
-                "strip shape (GPU only): the per-tile host cost paid once"})
-    graph_limit: int = field(default=256, metadata={
-        "help": "graphs: most graphs captured; a run whose strips keep changing shape stops "
-                "there (or see graph_fallback)"})
-    graph_fallback: bool = field(default=False, metadata={
-        "help": "graphs: past graph_limit run further shapes eagerly (the run records how many "
-                "tiles did: series tile_eager_tiles) instead of stopping"})
-    norm: str = field(default="auto", metadata={
-        "choices": IMPLS, "hash_neutral": True,
-        "help": "the tiled BatchNorms' kernels: triton (memstudy's fused kernels, one pass "
-                "each for the moments, normalise + ReLU, and backward), torch (PyTorch's "
-                "SyncBatchNorm primitives), auto (triton on CUDA, torch elsewhere)"})
-    layer1: str = field(default="whole", metadata={
-        "choices": LAYER1, "hash_neutral": True,
-        "help": "levels=3: whole (layer1 inside the stem's region: 8 sweeps each way over it), "
-                "blocks (a region per BasicBlock, its input kept: 3 sweeps each) or convs "
-                "(also its first convolution's output kept: 1 + 2 sweeps each)"})
-
-
 def resolved(opts: Options) -> Options:
     return replace(opts, tiles=opts.tiles or (0 if opts.rows else DEFAULT_TILES))
 
 
 def check(opts: Options, plan: Plan) -> None:
-    check_levels(opts.levels, "tile:levels")
-    check_keep(opts.keep, "tile:keep")
-    check_layer1(opts.layer1, opts.levels, "tile:layer1")
-    if opts.tiles < 0 or opts.rows < 0:
-        raise ConfigError(f"tile: tiles={opts.tiles} and rows={opts.rows} must be >= 0")
-    if opts.tiles and opts.rows:
-        raise ConfigError(f"tile: give tiles ({opts.tiles}) or rows ({opts.rows}), not both")
-    unit = 2 ** opts.levels
+    # levels, keep, layer1, tiles / rows and graph_limit alone: refused by Options itself
+    # (memstudy/techniques/options.py), before torch loads
     halo = min_tile_rows(opts.levels, opts.keep, opts.layer1, plan.config.model.encoder)
-    if opts.rows % unit:
-        raise ConfigError(f"tile:rows={opts.rows} must be a multiple of {unit} (the "
-                          f"{unit}x-down-sampled grid at levels={opts.levels})")
     if opts.rows and opts.rows < halo:
         raise ConfigError(f"tile:rows={opts.rows} is smaller than its halo of {halo} rows at "
                           f"levels={opts.levels}; use rows >= {halo}")
@@ -148,8 +104,6 @@ def check(opts: Options, plan: Plan) -> None:
 
 
 def _check_graphs(opts: Options, plan: Plan) -> None:
-    if opts.graph_limit < 1:
-        raise ConfigError(f"tile:graph_limit={opts.graph_limit} must be >= 1")
     if not opts.graphs:
         return
     if plan.device.type != "cuda":

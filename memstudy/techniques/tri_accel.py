@@ -17,54 +17,11 @@ docs/triaccel.md gives every option and what is recorded.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from memstudy.errors import ConfigError
 from memstudy.quality import min_side
 from memstudy.techniques import get_technique, register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
-
-@dataclass
-class Options:
-    precision: bool = field(default=True, metadata={"help": "per-unit adaptive precision"})
-    curvature: bool = field(default=True, metadata={"help": "curvature-scaled per-unit LR"})
-    elastic: bool = field(default=True, metadata={"help": "memory-elastic batch size"})
-    t_ctrl: int = field(default=10, metadata={"help": "control interval in optimizer steps"})
-    beta: float = field(default=0.9, metadata={"help": "EMA factor of the gradient variance"})
-    # tau_low / tau_high / tau_curv: the best of 10 trials of `memstudy tune
-    # benchmarks/specs/tune-triaccel.toml` on an H100, to 3 significant digits (run 8 of
-    # benchmarks/results/h100/triaccel/tune.sqlite; docs/triaccel.md)
-    tau_low: float = field(default=9.12e-8, metadata={
-        "help": "variance below: lowest precision (tuned by memstudy tune, docs/triaccel.md)"})
-    tau_high: float = field(default=4.29e-2, metadata={
-        "help": "variance from here: FP32 (tuned by memstudy tune, docs/triaccel.md)"})
-    low: str = field(default="fp16", metadata={"choices": ("fp16", "bf16"),
-                                               "help": "lowest tier (bf16 on the CPU)"})
-    stats: str = field(default="auto", metadata={"choices": ("auto", "triton", "torch"),
-                                                 "help": "variance kernel: auto = triton on GPU"})
-    grad_layout: str = field(default="flat", metadata={
-        "choices": ("flat", "separate"),
-        "help": "flat: every .grad a view into one buffer the statistics read in place; "
-                "separate: PyTorch's own gradients, concatenated for the statistics"})
-    t_curv: int = field(default=50, metadata={"help": "curvature interval (multiple of t_ctrl)"})
-    curv_budget: float = field(default=0.1, metadata={
-        "help": "largest share of the training time the curvature estimates may take; a due "
-                "estimate is skipped when the last one's cost would exceed it (1: never skip)"})
-    b_curv: int = field(default=1, metadata={"help": "curvature mini-batch size"})
-    curv_crop: int = field(default=0, metadata={"help": "centre crop (px) for curvature; 0: full"})
-    top_k: int = field(default=1, metadata={"help": "Hessian eigenvalues per unit"})
-    power_iters: int = field(default=5, metadata={"help": "power iterations per eigenvalue"})
-    alpha: float = field(default=1.0, metadata={"help": "LR scale: eta0 / (1 + alpha lambda)"})
-    tau_curv: float = field(default=4.41, metadata={
-        "help": "lambda_max above: promote to FP32 (tuned by memstudy tune, docs/triaccel.md)"})
-    rho_low: float = field(default=0.6, metadata={"help": "grow the batch below this fraction"})
-    rho_high: float = field(default=0.85, metadata={"help": "shrink the batch above it"})
-    delta_up: int = field(default=1, metadata={"help": "batch growth per control step"})
-    delta_down: int = field(default=1, metadata={"help": "batch shrink per control step / OOM"})
-    max_batch: int = field(default=32, metadata={"help": "largest batch the controller may set"})
-    lr_scaling: str = field(default="linear", metadata={"choices": ("linear", "sqrt", "none"),
-                                                        "help": "LR rule for batch changes"})
-
+from memstudy.techniques.options import TriAccelOptions as Options
 
 def check(opts: Options, plan: Plan) -> None:
     if not (opts.precision or opts.curvature or opts.elastic):

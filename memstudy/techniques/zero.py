@@ -9,19 +9,13 @@ what the study saw ("ZeRO slightly reduces memory").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
-
-
-@dataclass
-class Options:
-    pass
+from memstudy.techniques.options import ZeroOptions as Options
 
 
 def check(opts: Options, plan: Plan) -> None:
