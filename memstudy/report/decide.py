@@ -201,11 +201,13 @@ def _decision(cands, ok, size, written_budget, dead=(), untimed=()) -> dict[str,
     row = {"device": ok[0]["device"], "budget_bytes": budget, "budget": text, "image_size": size,
            "fits": f"{len({c['name'] for c in fitting})}/{len({c['name'] for c in ok})}"}
     if not fitting:
-        closest = min(ok, key=lambda c: c["peak_bytes"])
+        closest = min(ok, key=lambda c: (c["peak_bytes"], c["name"], c["differs"]))
         row.update(name="(none fits)", note="; ".join(filter(None, (
             f"smallest peak {mb(closest['peak_bytes']):.0f} MB: {closest['name']}", left_out_note))))
         return row
-    best = min(fitting, key=lambda c: (c["step_time_s"], c["peak_bytes"]))
+    # a tie in time and peak goes to the name, not to the order the runs were recorded in
+    best = min(fitting, key=lambda c: (c["step_time_s"], c["peak_bytes"], c["name"],
+                                       c["differs"]))
     base = min((c for c in ok if c["name"] == BASELINE and c["comparison"] == best["comparison"]),
                key=lambda c: c["step_time_s"], default=None)
     q = quality_cost(cands, best, size)
@@ -259,8 +261,11 @@ def _by(rows: Rows, *keys: str) -> dict[tuple, Rows]:
 
 def pareto(db) -> Rows:
     """Per device and size, every finished single-device candidate with its absolute peak,
-    step time and validation loss; `pareto` marks those no other candidate beats on both peak
-    and step time (smaller is better on each)."""
+    step time and validation loss (one without a peak or a step time, e.g. timed only on a
+    shared GPU, has no point and is left out); `pareto` marks those no other candidate
+    dominates: none is at most as large and at most as slow and smaller or faster (so of two
+    sets of equal peak only the faster is marked, two of equal peak and time both are).
+    Sorted by peak, step time, then name (ties in a stable order)."""
     rows = []
     for (_device, _size), group in _by(candidates(db), "device", "image_size").items():
         ok = [c for c in group if works(c) and c["peak_bytes"] and c["step_time_s"]
@@ -276,7 +281,7 @@ def pareto(db) -> Rows:
                         | {"peak_mb": mb(c["peak_bytes"]), "runs": c["ok"], "epochs": c["epochs"],
                            "quality_seeds": c["val_n"], "pareto": "" if dominated else "*"})
     return sorted(rows, key=lambda r: (r["device"], size_sort_key(r["image_size"]),
-                                       r["peak_mb"], r["step_time_s"]))
+                                       r["peak_mb"], r["step_time_s"], r["name"], r["differs"]))
 
 
 def phase_groups(db) -> dict[tuple, Rows]:
@@ -356,8 +361,8 @@ COLUMNS = {
 TITLES = {
     "decisions": "Best technique set per budget and size: the fastest finished set whose "
                  "absolute peak fits (on a GPU the CUDA context included), against original",
-    "pareto": "Peak memory against step time per size (Pareto = no set is both smaller and "
-              "faster); validation loss beside",
+    "pareto": "Peak memory against step time per size (Pareto = no other set is as small and "
+              "as fast, and smaller or faster); validation loss beside",
     "phase_categories": "Memory held at each phase's end by category (MB), beside the "
                         "phase's absolute peak",
     "phase_peaks": "Per-phase peak: the study's increment above the phase start (+) beside "

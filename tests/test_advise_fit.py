@@ -1,0 +1,123 @@
+"""advise over a fixture of exactly three sizes per technique set (issue 42): the fitted line,
+the largest size it predicts under a budget, where its extrapolation stops being trusted
+(advise.SAFE_REACH) and the check of a prediction against the runs recorded after it. The
+runs are written through the store (no training); every figure below is worked out by hand
+or by numpy, not read back from advise."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from memstudy import advise
+from memstudy.errors import ConfigError
+from memstudy.store import ResultsDB
+from test_report_decide import CONTEXT_MB, GPU, gpu_run
+
+MB = 1024**2
+SIZES = (512, 768, 1024)
+# every run has a budget (8 GiB), so each measured its CUDA context (500 MB): a phase's
+# absolute peak is 300 MB start + its increment + 500. gpu_run: backward's increment is half
+# the forward's, the step's 50 MB.
+# lin (recorded as amp; check reads set names as techniques): forward absolute = 1000 MB + 2000 MB per 1024**2 px, exactly; step 0.02 + 0.08 s per 1024**2 px
+LIN_A, LIN_B = 1000, 2000
+# bent (recorded as checkpoint): forward absolute 1200, 1500, 3200 MB: no line goes through it
+BENT = (1200, 1500, 3200)
+LIN, BENDS = "amp", "checkpoint"
+
+
+def x(side: float) -> float:
+    return side * side / 1024**2
+
+
+@pytest.fixture
+def db(tmp_path):
+    db = ResultsDB(tmp_path / "three.sqlite")
+    for side, bent in zip(SIZES, BENT):
+        gpu_run(db, LIN, side, LIN_A + LIN_B * x(side) - 300 - CONTEXT_MB,
+                0.02 + 0.08 * x(side), budget="8GiB")
+        gpu_run(db, BENDS, side, bent - 300 - CONTEXT_MB, 0.3, budget="8GiB")
+    return db
+
+
+def predictions(db, budget: str, size) -> dict[str, advise.Prediction]:  # noqa: F811
+    _device, preds, skipped = advise.predict_all(db, budget, size)
+    assert skipped == []
+    return {p.name: p for p in preds}
+
+
+def test_the_line_through_three_sizes_is_the_least_squares_fit(db):  # noqa: F811
+    lin, bent = predictions(db, "4GiB", 896).values()  # ranked: lin is faster
+    assert (lin.name, bent.name) == (LIN, BENDS)
+    a, b = lin.phase_fits["forward"]
+    assert a / MB == pytest.approx(LIN_A) and b * 1024**2 / MB == pytest.approx(LIN_B)
+    assert lin.measured_px == [s * s for s in SIZES] and lin.phase == "forward"
+    assert lin.peak_bytes / MB == pytest.approx(LIN_A + LIN_B * x(896))  # 2531.25 MB
+    assert lin.step_time_s == pytest.approx(0.02 + 0.08 * x(896))
+    assert lin.fit_error == pytest.approx(0, abs=1e-9)  # three sizes: checked, and exact
+    assert lin.confidence == "interpolated 768-1024 px" and lin.fits
+    # bent: numpy's least squares over pixels, each phase; fit error the largest relative gap
+    px = np.array([s * s for s in SIZES], dtype=float)
+    phases = {"forward": np.array(BENT, dtype=float),
+              "backward": 800 + (np.array(BENT) - 800) / 2, "step": np.full(3, 850.0)}
+    fitted = {k: np.polyfit(px, y, 1) for k, y in phases.items()}
+    slope, icept = fitted["forward"]
+    assert bent.phase_fits["forward"][0] / MB == pytest.approx(icept)
+    assert bent.phase_fits["forward"][1] / MB == pytest.approx(slope)
+    gaps = [abs(np.polyval(fitted[k], px) - y) / y for k, y in phases.items()]
+    assert bent.fit_error == pytest.approx(max(g.max() for g in gaps))
+    assert bent.peak_bytes / MB == pytest.approx(np.polyval(fitted["forward"], 896**2))
+
+
+def test_the_largest_size_under_a_budget_is_where_the_binding_line_meets_it(db):  # noqa: F811
+    """Under 2 GiB at 1024 px (measured: 3000 MB) nothing fits; lin, the closest, is predicted
+    to train a square of at most 741 px: where its forward line reaches 2048 MB (its backward
+    line, 900 + 1000 MB per 1024**2 px, would allow 1097 px)."""
+    preds = list(predictions(db, "2GiB", 1024).values())
+    with pytest.raises(ConfigError) as exc:
+        advise.refuse_if_none_fits(GPU,
+                                   1024, "2GiB", preds)
+    message = str(exc.value)
+    assert f"the closest is {LIN}, predicted peak 3000 MB" in message
+    assert "a budget of at least 3GiB, or a size of at most ~741 px (square)" in message
+    side = int(1024 * ((2048 - LIN_A) / LIN_B) ** 0.5)
+    assert side == 741 and LIN_A + LIN_B * x(side) <= 2048 < LIN_A + LIN_B * x(side + 1)
+
+
+@pytest.mark.parametrize("size, confidence, trusted", [
+    ("1024x2048", "extrapolated 2.0x the pixels of 1024 px", True),  # exactly SAFE_REACH
+    ("1024x2049", "extrapolated 2.0x the pixels of 1024 px, beyond the 2x advise trusts", False),
+    ("256x512", "extrapolated 0.5x the pixels of 512 px", True),  # below: half the pixels
+    ("256x511", "extrapolated 0.5x the pixels of 512 px, beyond the 2x advise trusts", False),
+    ("600x700", "interpolated 512-768 px", True),
+])
+def test_extrapolation_is_marked_beyond_safe_reach(db, size, confidence, trusted):  # noqa: F811
+    lin = predictions(db, "64GiB", size)[LIN]
+    assert lin.confidence == confidence and (lin.reach <= advise.SAFE_REACH) == trusted
+    if trusted:
+        advise.check_reach(lin, size)  # --confirm runs it
+    else:
+        with pytest.raises(ConfigError, match="--confirm --force"):
+            advise.check_reach(lin, size)
+
+
+def test_the_check_table_sets_each_prediction_beside_its_later_run(db):  # noqa: F811
+    device, preds, _ = advise.predict_all(db, "4GiB", 896)
+    advise.store(db.path, device, 896, "4GiB", 1, preds)
+    time.sleep(0.01)
+    gpu_run(db, LIN, 896, 2600 - 300 - CONTEXT_MB, 0.09, budget="4GiB")  # 2600 MB: ok
+    gpu_run(db, BENDS, 896, 0, 0, budget="4GiB", status="oom")  # predicted to fit: wrong
+    lin, bent = advise.check(db)
+    assert (lin["name"], lin["status"], lin["fit_call"]) == (LIN, "ok", "right")
+    assert lin["measured_mb"] == pytest.approx(2600)
+    assert lin["peak_error"] == pytest.approx((LIN_A + LIN_B * x(896)) / 2600 - 1)  # -2.6%
+    assert lin["step_error"] == pytest.approx((0.02 + 0.08 * x(896)) / 0.09 - 1)
+    assert (bent["name"], bent["status"], bent["fit_call"]) == (BENDS, "oom", "wrong")
+    assert bent["measured_mb"] is None and bent["peak_error"] is None
+    header, rule, *lines = advise.check_table([lin, bent]).splitlines()
+    assert header.split()[:3] == ["prediction", "techniques", "px"]
+    assert lines[0].split()[:4] == ["1", LIN, "896", "4GiB"]
+    assert "2531.25" in lines[0] and "-2.6%" in lines[0] and lines[0].endswith("right")
+    assert lines[1].split()[:2] == ["2", BENDS] and lines[1].endswith("wrong")
+    assert len(lines) == 2  # both keyed, nothing left out: no line under the table
