@@ -48,6 +48,11 @@ BEST_LEVELS3 = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
 LADDER_SETS = f"{BEST};{BEST_LEVELS3}"
 NATIVE_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,tile:4:keep=all,"
               "allocator:expandable_segments=true")
+# The 8 GiB set with its tiled-only boundaries in host memory (tile:stream; docs/techniques/
+# tile.md, "Streaming boundaries"), for sizes where they no longer fit beside the untiled levels
+STREAM_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
+              "tile:16:levels=3:keep=conv1:layer1=convs:stream=true,"
+              "allocator:expandable_segments=true")
 # With 8 GiB at 4188 px nothing needs to leave the device: the 4 GiB set without offload's copies
 RESIDENT_SET = "amp:bf16,checkpoint,tile:4:keep=all,allocator:expandable_segments=true"
 

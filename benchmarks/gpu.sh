@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
 # then are packed into one archive, $OUT/results.tgz.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [networks] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [networks] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -98,6 +98,13 @@ for item in $STEPS; do
             eight=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.BEST_LEVELS3)")
             MEMSTUDY_PROFILE_TABLE="$RES/targets-4188/kernels.txt" MEMSTUDY_ALLOC_TRACE="$RES/targets-4188/releases.md" $PY benchmarks/bench_ladder.py --part native --out "$RES/targets-4188" --size 4188 --budget 4GiB --steps 8 --no-float32 --tiled-set "$four;$four" 2>&1 | tee -a "$RES/targets.log"
             MEMSTUDY_PROFILE_TABLE="$RES/targets-8192/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/targets-8192" --size 8192 --budget 8GiB --steps 6 --no-float32 --no-references --tiled-set "$eight;$eight" 2>&1 | tee -a "$RES/targets.log" ;;
+        # tile:stream (docs/techniques/tile.md): its GPU tests, then STREAM_SET under 8 GiB at
+        # 8192 px and STREAM_SIZES (default 12288 16384), each a few steps, no untiled reference
+        tile-stream) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_tile_stream_gpu.py 2>&1 | tee "$RES/tile-stream-tests.log"
+            stream=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.STREAM_SET)")
+            for size in 8192 ${STREAM_SIZES:-12288 16384}; do
+                $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$stream" 2>&1 | tee -a "$RES/tile-stream.log"
+            done ;;
         # other networks and the segmentation task (docs/network.md): native 4188 px per network,
         # task and budget with the best tiled set(s) ('+'-joined names in bench_ladder), beside
         # that network's own tuned bf16 step

@@ -55,6 +55,8 @@ TILE = "tile:tiles=0:rows=0:levels=2:keep=conv1:graphs=False:graph_limit=256:gra
     ("tile", TILE, "481a4b32e1d89b18"),
     ("tile:norm=auto:layer1=whole", TILE, "481a4b32e1d89b18"),  # the defaults: left out
     ("tile:norm=torch", TILE + ":norm=torch", "eed3052961b507ee"),
+    ("tile:stream=false", TILE, "481a4b32e1d89b18"),  # stream came later: its default left out
+    ("tile:stream=true", TILE + ":stream=True", "1bb60e9b01b1eafe"),
     ("tile:levels=3:layer1=blocks:norm=triton",
      TILE.replace("levels=2", "levels=3") + ":norm=triton:layer1=blocks", "679d056f54a0d8ca"),
 ])
@@ -424,3 +426,10 @@ def test_each_region_input_comes_back_once_per_backward(layer1):
     twice = [shape for (_, shape), n in back.items() if n > 1]
     assert len(back) >= 7 and twice == [tuple(x.shape)], back
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_stream_with_graphs_is_refused_in_one_line():
+    cfg = small_config(techniques=["tile:stream=true:graphs=true"])
+    cfg.train.device = "cuda"
+    with pytest.raises(ConfigError, match="tile:stream=true with tile:graphs=true"):
+        make_plan(cfg, device=torch.device("cuda"), n_gpus=1)

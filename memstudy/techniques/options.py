@@ -143,6 +143,12 @@ class TileOptions:
         "help": "the tiled BatchNorms' kernels: triton (memstudy's fused kernels, one pass "
                 "each for the moments, normalise + ReLU, and backward), torch (PyTorch's "
                 "SyncBatchNorm primitives), auto (triton on CUDA, torch elsewhere)"})
+    stream: bool = field(default=False, metadata={
+        "hash_neutral": True,
+        "help": "keep in host memory (pinned) the boundaries that only tiled regions read "
+                "(the stem's and layer1's outputs between its regions, the decoder's kept "
+                "convolution outputs), their strips copied in as tiles need them and their "
+                "gradients added up on the host: device memory for them stays one strip's"})
     layer1: str = field(default="whole", metadata={
         "choices": LAYER1, "hash_neutral": True,
         "help": "levels=3: whole (layer1 inside the stem's region: 8 sweeps each way over it), "

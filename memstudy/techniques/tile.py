@@ -96,6 +96,10 @@ def check(opts: Options, plan: Plan) -> None:
                           f"use tiles <= {height // halo}")
     _check_composition(plan)
     _check_graphs(opts, plan)
+    if opts.stream and opts.graphs:
+        raise ConfigError("tile:stream=true with tile:graphs=true: a graphed tile body reads "
+                          "its strips from fixed device buffers, which host boundaries do not "
+                          "fill; drop one of the two")
     resolve_impl(opts.norm, plan.device, "tile:norm")
     if opts.levels >= 3 and plan.has("invertible"):
         raise ConfigError("tile:levels=3 tiles layer1, whose residual blocks invertible replaces "
@@ -146,6 +150,7 @@ def apply(opts: Options, build: Build) -> None:
     kernels = resolve_impl(opts.norm, build.device, "tile:norm")
     notes = build.notes["tile"] = {"levels": opts.levels, "tiles": opts.tiles, "rows": opts.rows,
                                    "keep": opts.keep, "layer1": opts.layer1, "norm": kernels,
+                                   "stream": opts.stream,
                                    "halo_rows": min_tile_rows(opts.levels, opts.keep, opts.layer1,
                                                               build.config.model.encoder)}
     graphs = None
@@ -153,7 +158,7 @@ def apply(opts: Options, build: Build) -> None:
         graphs = TileGraphs(CudaGraphs(), opts.graph_limit, opts.graph_fallback, notes)
         build.runtime.series_sources.append(lambda: _graph_rows(graphs, build.runtime.rank))
     model.forward_padded = TiledForward(model, opts.levels, opts.tiles, opts.rows, opts.keep,
-                                        graphs, opts.layer1, kernels)
+                                        graphs, opts.layer1, kernels, opts.stream)
 
 
 def _graph_rows(graphs: TileGraphs, rank: int) -> list[tuple[int, int, str, float]]:
