@@ -29,6 +29,8 @@ from memstudy.errors import ConfigError
 
 
 def budget_bytes(budget: str | int | None) -> int | None:
+    """A budget as written (config.budget) in bytes; a run parses it once, in
+    techniques.check_early (Plan.budget_bytes)."""
     return None if budget is None else budget_size(budget)
 
 
@@ -58,16 +60,16 @@ def cuda_context_bytes(device: torch.device) -> int:
     return nvml_used(index) - torch.cuda.memory_reserved(index)
 
 
-def apply_budget(budget: str | None, device: torch.device,
+def apply_budget(limit: int | None, device: torch.device,
                  parameter_bytes: int = 0) -> dict[str, Any]:
-    """Apply the budget of one run on `device`; returns the facts to store with the run.
+    """Apply the budget of one run, `limit` bytes (None: none; the config's budget as parsed
+    once, by techniques.check_early), on `device`; returns the facts to store with the run.
     Refuses (ConfigError) a budget that cannot hold the CUDA context (CPU: nothing) plus
     `parameter_bytes` (parameter_floor), or one above the device's memory.
 
     CUDA without a budget resets the cap, so an earlier capped run in the same process
     (notebooks, tests) cannot constrain this one. The CPU needs no cap here: the runner
     hands the budget to the tensor meter."""
-    limit = budget_bytes(budget)
     if device.type != "cuda":
         if limit is None:
             return {}
@@ -93,7 +95,7 @@ def apply_budget(budget: str | None, device: torch.device,
             "memory_fraction": fraction}
 
 
-def recap_after_warmup(budget: str | None, device: torch.device) -> dict[str, Any]:
+def recap_after_warmup(limit: int | None, device: torch.device) -> dict[str, Any]:
     """Re-measure the CUDA context once warm-up has run and lower the allocator's cap by its growth.
 
     The context measured before the first kernel is not the context of a training run: CUDA
@@ -102,8 +104,8 @@ def recap_after_warmup(budget: str | None, device: torch.device) -> dict[str, An
     0.5 GB to 1.2 GB). A budget that kept the first cap would let NVML's figure exceed it. After
     warm-up the context is NVML used minus the allocator's reserved bytes, the cached blocks are
     released and the cap becomes budget - context, so the measured steps stay inside the budget
-    at device level (`budget_headroom_bytes` in docs/metrics.md says whether they did)."""
-    limit = budget_bytes(budget)
+    at device level (`budget_headroom_bytes` in docs/metrics.md says whether they did).
+    `limit`: the budget in bytes, as apply_budget takes it."""
     if limit is None or device.type != "cuda" or not torch.cuda.is_initialized():
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()

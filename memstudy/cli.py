@@ -63,7 +63,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    check_early(cfg)  # config, size, technique, option and file errors before torch loads
+    # config, size, budget, technique, option and file errors before torch loads; what it
+    # parsed is handed down, so the run parses nothing again
+    checked = check_early(cfg)
     check_input_fits(cfg.train.image_size, cfg.train.batch_size)  # refused, never recorded
     check_writable(args.db)  # before anything trains: a run that cannot be stored is lost
     from memstudy.launch import launched_by_torchrun, run_distributed
@@ -77,7 +79,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"stored in {args.db}")
         return 0 if rec.status == "ok" else 1
     db = ResultsDB(args.db)
-    rec = execute(cfg, db, progress=None if args.quiet else eprint)
+    rec = execute(cfg, db, progress=None if args.quiet else eprint, checked=checked)
     print(summarize(rec))
     print(f"stored in {db.path}")
     return 0 if rec.status == "ok" else 1

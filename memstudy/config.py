@@ -250,8 +250,7 @@ class RunConfig:
         self.model.check(self.train.task)
         if self.train.task == "segment":
             check_segment_classes(self.model.classes, self.data.source)
-        if self.budget is not None:
-            budget_size(self.budget)
+        # budget: parsed into bytes once, by techniques.check_early (Checked.budget_bytes)
         if self.world_size < 1:
             raise ConfigError(f"world_size must be >= 1 (got {self.world_size})")
         if self.encoder_weights and self.model.factory:

@@ -71,21 +71,22 @@ def check_plan(plan) -> None:
         raise ConfigError(f"train.clip_norm with {split[0]}: each rank holds only part of the "
                           "gradients, so a per-rank norm is not eq. 12's; drop clip_norm")
     if t.lr_schedule == "warmup_cosine":
-        total = total_steps(plan.config)
+        total = total_steps(plan.config, plan.chosen)
         if t.lr_warmup_steps >= total:
             raise ConfigError(f"train.lr_warmup_steps = {t.lr_warmup_steps} covers all {total} "
                               "planned optimizer steps, leaving no cosine decay; lower it")
 
 
-def total_steps(config) -> int:
-    """T of eq. 10: the planned optimizer steps (needs a known image count or max_steps)."""
+def total_steps(config, chosen: dict | None = None) -> int:
+    """T of eq. 10: the planned optimizer steps (needs a known image count or max_steps).
+    `chosen`: config.techniques parsed, where the caller has them (the plan's)."""
     images = config.data.train_images if config.data.source == "synthetic" else None
     if images is None:
         if config.train.max_steps is None:
             raise ConfigError("train.lr_schedule = 'warmup_cosine' needs the number of steps: "
                               "set train.max_steps (folder datasets have no count before loading)")
         return config.train.max_steps
-    return planned_steps(config, images)
+    return planned_steps(config, images, chosen=chosen)
 
 
 def scaled_lr(lr: float, effective_batch: int, base_batch: int, rule: str) -> float:
@@ -171,7 +172,8 @@ def install(build) -> None:
     """Add the configured policies to a built pipeline (after every technique)."""
     t = build.config.train
     if t.lr_schedule != "constant" or t.lr_scaling != "none":
-        total = total_steps(build.config) if t.lr_schedule == "warmup_cosine" else None
+        total = (total_steps(build.config, build.plan.chosen)
+                 if t.lr_schedule == "warmup_cosine" else None)
         LearningRatePolicy(build, total)
         build.notes["lr_policy"] = {"schedule": t.lr_schedule, "scaling": t.lr_scaling,
                                     "total_steps": total}

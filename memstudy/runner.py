@@ -23,7 +23,7 @@ import torch
 from memstudy.console import eprint  # also imported from here by scripts
 from memstudy import cuda_allocator
 from memstudy import env as envinfo
-from memstudy.budget import apply_budget, budget_bytes, recap_after_warmup
+from memstudy.budget import apply_budget, recap_after_warmup
 from memstudy.config import CELL_THREADS_ENV, RunConfig
 from memstudy.datasets import build_datasets, describe_datasets
 from memstudy.distributed.context import rank_device
@@ -36,7 +36,7 @@ from memstudy.meters.profile import check_diagnosis_files
 from memstudy.phases import STEP
 from memstudy.quality import min_side
 from memstudy.store import ResultsDB, RunRecord
-from memstudy.techniques import canonical, declaring, resolve_run_settings
+from memstudy.techniques import Checked, applied, parse_techniques, resolve_run_settings
 from memstudy.techniques.compose import build_pipeline, make_plan, prepare_process
 from memstudy.trained import judge, loss_ranges
 from memstudy.train import TrainState, check_measurable, train
@@ -48,9 +48,11 @@ def run_name(config: RunConfig) -> str:
 
 def resolved(config: RunConfig) -> RunConfig:
     """The config with techniques in canonical form and the device-dependent defaults
-    (channels_last, cudnn_benchmark) filled in, so equal runs hash equal."""
-    config.techniques = canonical(config.techniques)
-    resolve_run_settings(config)  # before the device's defaults fill what is still unset
+    (channels_last, cudnn_benchmark) filled in, so equal runs hash equal. A run does this in
+    make_plan (execute), on the techniques it parsed once."""
+    chosen = parse_techniques(config.techniques)
+    config.techniques = applied(chosen)
+    resolve_run_settings(config, chosen)  # before the device's defaults fill what is still unset
     config.train.resolve_tuning()
     return config
 
@@ -68,21 +70,25 @@ def seed_everything(seed: int) -> None:
 
 
 def execute(config: RunConfig, db: ResultsDB | None,
-            progress: Callable[[str], None] | None = None) -> RunRecord:
+            progress: Callable[[str], None] | None = None,
+            checked: Checked | None = None) -> RunRecord:
+    """`checked`: techniques.check_early's result for `config`, where the caller ran it (the
+    CLI): the config is then neither checked nor parsed again."""
     name = run_name(config)
-    plan = make_plan(config)  # raises ConfigError: nothing recorded
+    plan = make_plan(config, checked=checked)  # raises ConfigError: nothing recorded
     prepare_process(plan)  # allocator settings, before anything initialises CUDA
     share_cpu_threads()  # recorded in env (num_threads)
     check_diagnosis_files()  # raises ConfigError: nothing recorded
     plan.device = rank_device(plan.device)  # distributed: each rank trains on its own GPU
-    resolved(config)
+    config.techniques = plan.applied()  # canonical form (make_plan resolved the run settings)
     train_set, val_set = build_datasets(  # raises on bad data and refused sizes
         config.data, config.train.image_size, config.train.batch_size, min_side(config.train),
         task=config.train.task, classes=config.model.classes)
-    check_measurable(config, len(train_set))  # raises ConfigError: nothing recorded
+    check_measurable(config, len(train_set), plan.chosen)  # raises ConfigError: nothing recorded
     device = plan.device
     # before anything touches the GPU: the CUDA context is measured as it is created
-    budget_facts = apply_budget(config.budget, device, parameter_floor(plan) if config.budget else 0)
+    limit = plan.budget_bytes
+    budget_facts = apply_budget(limit, device, parameter_floor(plan) if limit is not None else 0)
     record = RunRecord(config=config.to_dict(), config_hash=config.hash(), name=name, status="ok",
                        env=envinfo.describe(device), started_at=time.time(), label=config.label)
     record.env["seed"] = config.train.seed
@@ -95,12 +101,12 @@ def execute(config: RunConfig, db: ResultsDB | None,
     try:
         build = build_pipeline(plan)
         record.env["parameters"] = sum(p.numel() for p in build.model.parameters())
-        cpu_limit = budget_bytes(config.budget) if device.type == "cpu" else None
+        cpu_limit = limit if device.type == "cpu" else None
         recorder = PhaseRecorder(device, build.model, build.runtime, lambda: state.optimizer,
                                  config.meter, cpu_limit_bytes=cpu_limit,
                                  single_process=config.world_size == 1)
         build.runtime.memory_meter = recorder.budget_meter
-        _recap_budget_after_warmup(build, config, record.env)
+        _recap_budget_after_warmup(build, record.env)
         energy = EnergyCounter.open(device)  # None on the CPU: energy_j is then absent
         if energy is not None:
             energy.start()
@@ -120,7 +126,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
             recorder.close()
         if energy is not None:  # the training loop's energy, validation included
             state.energy_j = energy.joules()
-    _fill(record, recorder, state, config, train_set.shapes)
+    _fill(record, recorder, state, plan, train_set.shapes)
     if device.type == "cuda":
         _read_back_allocator(record, device)
     if build is not None:  # rows recorded by techniques (e.g. tri_accel's control steps)
@@ -151,16 +157,16 @@ def parameter_floor(plan) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _recap_budget_after_warmup(build, config: RunConfig, env: dict) -> None:
+def _recap_budget_after_warmup(build, env: dict) -> None:
     """Once the last warm-up step is done, cap the allocator by the context as it has grown."""
-    last_warmup = config.train.warmup_steps
-    if config.budget is None or last_warmup < 1:  # on the CPU recap_after_warmup does nothing
+    last_warmup, limit = build.config.train.warmup_steps, build.plan.budget_bytes
+    if limit is None or last_warmup < 1:  # on the CPU recap_after_warmup does nothing
         return
 
     def hook(info) -> None:
         if info.step == last_warmup:
             try:
-                env.update(recap_after_warmup(config.budget, build.device))
+                env.update(recap_after_warmup(limit, build.device))
             except Exception as exc:  # noqa: BLE001 - recorded with where it happened
                 # after the last warm-up step's optimizer step, before the first measured
                 # step: the step phase of that step, not the run's setup
@@ -182,7 +188,8 @@ def share_cpu_threads() -> None:
 
 
 def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
-          config: RunConfig, shapes: list[tuple[int, int]]) -> None:
+          plan, shapes: list[tuple[int, int]]) -> None:
+    config = plan.config
     record.finished_at = time.time()
     record.epochs = state.epochs
     record.series = state.series
@@ -191,7 +198,7 @@ def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
     summary = recorder.summary()
     run = summary.setdefault("run", {})
     run["steps"] = state.step
-    limit = budget_bytes(config.budget)
+    limit = plan.budget_bytes
     if limit is not None and "nvml_peak_total_bytes" in run:  # negative: the device went over
         run["budget_headroom_bytes"] = limit - run["nvml_peak_total_bytes"]
     run["oom_retries"] = state.oom_retries
@@ -210,14 +217,10 @@ def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
         else:
             run["model_flops_per_step"] = flops
             run["model_tflops_s"] = flops / run["step_time_s"] / 1e12
-    if _compiled(config) and "first_step_time_s" in run and "step_time_s" in run:
+    # a technique of the run compiles the model in its first step (declared fact)
+    if plan.declaring("compiles") and "first_step_time_s" in run and "step_time_s" in run:
         run["compile_time_s"] = run["first_step_time_s"] - run["step_time_s"]
     record.metrics = [(0, phase, k, v) for phase, figs in summary.items() for k, v in figs.items()]
-
-
-def _compiled(config: RunConfig) -> bool:
-    """A technique of the run compiles the model in its first step (declared fact)."""
-    return bool(declaring(config.techniques, "compiles"))
 
 
 def _micro_batches(series: list[tuple[int, int, str, float]]) -> int:

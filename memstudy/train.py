@@ -29,7 +29,7 @@ from memstudy.meters import PhaseRecorder, alloc_retries
 from memstudy.meters.profile import step_profile
 from memstudy.quality import SegmentFigures, quality
 from memstudy.runtime import MicroBatch, StepInfo
-from memstudy.techniques import micro_batches, planned_steps
+from memstudy.techniques import micro_batches, parse_techniques, planned_steps
 from memstudy.techniques.base import Build
 from memstudy.tiling.validation import validation_forward
 
@@ -161,18 +161,20 @@ def _check_target(val_loss: float, target: float | None, state: TrainState) -> N
         state.target_reached = (time.perf_counter() - state.started, state.step)
 
 
-def check_measurable(config, train_images: int) -> None:
+def check_measurable(config, train_images: int, chosen: dict | None = None) -> None:
     """Refuse a run whose warm-up takes every step: it would record no phase figures.
 
     Fewer steps than warm-up + measure_steps is allowed: the steps after warm-up are all measured
-    (a large measure_steps means "measure every step")."""
+    (a large measure_steps means "measure every step"). `chosen`: config.techniques parsed,
+    where the caller has them (the plan's)."""
     cfg = config.train
+    chosen = parse_techniques(config.techniques) if chosen is None else chosen
     # adaptive accumulation may take its largest k: count the fewest steps the run can take
-    steps = planned_steps(config, train_images, most_micro_batches=True)
+    steps = planned_steps(config, train_images, most_micro_batches=True, chosen=chosen)
     if steps <= cfg.warmup_steps:
         raise ConfigError(
             f"this run takes {steps} optimizer step(s) ({cfg.epochs} epoch(s) of {train_images} "
-            f"training images at batch {cfg.batch_size}{_cap(cfg)}{_accumulation(config)}) and "
+            f"training images at batch {cfg.batch_size}{_cap(cfg)}{_accumulation(chosen)}) and "
             f"train.warmup_steps = {cfg.warmup_steps} leaves none to measure: raise train.epochs "
             "or data.train_images, or lower train.warmup_steps")
 
@@ -181,8 +183,8 @@ def _cap(cfg) -> str:
     return f", train.max_steps = {cfg.max_steps}" if cfg.max_steps else ""
 
 
-def _accumulation(config) -> str:
-    k = micro_batches(config.techniques, most=True)
+def _accumulation(chosen: dict) -> str:
+    k = micro_batches(chosen, most=True)
     return f", {k} micro-batches per step" if k > 1 else ""
 
 

@@ -94,7 +94,7 @@ def test_apply_budget_caps_the_allocator_at_budget_minus_the_context(mock_cuda):
     """Before the context exists, it is NVML used after creating it minus before, minus what
     the allocator reserved; the allocator's cap leaves it out of the budget."""
     mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]  # before, after the context is created
-    facts = apply_budget("4GiB", torch.device("cuda", 1), parameter_bytes=100 * MIB)
+    facts = apply_budget(4 * GIB, torch.device("cuda", 1), parameter_bytes=100 * MIB)
     context = 698 * MIB
     fraction = (4 * GIB - context) / (80 * GIB)
     assert facts == {"budget_bytes": 4 * GIB, "budget_enforced_by": "allocator cap",
@@ -107,7 +107,7 @@ def test_apply_budget_caps_the_allocator_at_budget_minus_the_context(mock_cuda):
 def test_a_device_without_an_index_is_device_0_before_the_context_exists(mock_cuda):
     """Asking torch for the current device would create the context before it is measured."""
     mock_cuda.current, mock_cuda.nvml = 2, [3 * GIB, 3 * GIB + 700 * MIB]
-    facts = apply_budget("4GiB", torch.device("cuda"))
+    facts = apply_budget(4 * GIB, torch.device("cuda"))
     assert facts["cuda_context_bytes"] == 698 * MIB and set(mock_cuda.asked) == {0}
     assert mock_cuda.caps == [((4 * GIB - 698 * MIB) / (80 * GIB), 0)]
     mock_cuda.initialized, mock_cuda.asked = False, []
@@ -126,7 +126,7 @@ def test_once_the_context_exists_it_is_nvml_used_minus_reserved(mock_cuda):
     reserved bytes, on the current device when the run names none."""
     mock_cuda.initialized, mock_cuda.current = True, 2
     mock_cuda.nvml, mock_cuda.reserved = [2 * GIB], 512 * MIB
-    facts = apply_budget("8GiB", torch.device("cuda"))
+    facts = apply_budget(8 * GIB, torch.device("cuda"))
     assert facts["cuda_context_bytes"] == 1536 * MIB
     assert mock_cuda.caps == [((8 * GIB - 1536 * MIB) / (80 * GIB), 2)]
     assert facts["allocator_cap_bytes"] == 8 * GIB - 1536 * MIB
@@ -143,34 +143,34 @@ def test_no_budget_lifts_an_earlier_cap_without_creating_the_context(mock_cuda):
 
 def test_a_budget_the_device_cannot_give_is_refused_before_any_cap(mock_cuda):
     with pytest.raises(ConfigError) as info:
-        apply_budget("81GiB", torch.device("cuda", 0))
+        apply_budget(81 * GIB, torch.device("cuda", 0))
     assert str(info.value) == ("budget 81GiB exceeds the 81920 MB of the Mock GPU; lower "
                                "--budget to at most 81920MiB or drop it")
     assert not mock_cuda.initialized and mock_cuda.asked == [0]  # the capacity read, no more
     mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]
-    facts = apply_budget("80GiB", torch.device("cuda", 0))  # all of it: accepted
+    facts = apply_budget(80 * GIB, torch.device("cuda", 0))  # all of it: accepted
     assert facts["allocator_cap_bytes"] == 80 * GIB - 698 * MIB and mock_cuda.caps
     mock_cuda.caps, mock_cuda.initialized = [], False
     mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]
     with pytest.raises(ConfigError) as info:
-        apply_budget("750MiB", torch.device("cuda", 0), parameter_bytes=100 * MIB)
+        apply_budget(750 * MIB, torch.device("cuda", 0), parameter_bytes=100 * MIB)
     assert str(info.value) == (
         "budget 750MiB cannot hold the CUDA context (698 MB, measured by NVML) plus the model's "
         "parameters (100 MB), before any activation; raise --budget above 798MiB")
     mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]
     mock_cuda.initialized = False
     with pytest.raises(ConfigError, match="raise --budget above 798MiB"):  # equal: nothing left
-        apply_budget("798MiB", torch.device("cuda", 0), parameter_bytes=100 * MIB)
+        apply_budget(798 * MIB, torch.device("cuda", 0), parameter_bytes=100 * MIB)
     assert mock_cuda.caps == []
 
 
 def test_cpu_budget_is_left_to_the_tensor_meter():
     assert apply_budget(None, torch.device("cpu")) == {}
-    assert apply_budget("1GiB", torch.device("cpu")) == {"budget_bytes": GIB,
+    assert apply_budget(GIB, torch.device("cpu")) == {"budget_bytes": GIB,
                                                           "budget_enforced_by": "tensor meter"}
-    assert apply_budget("1B", torch.device("cpu"))["budget_bytes"] == 1  # no parameters given
+    assert apply_budget(1, torch.device("cpu"))["budget_bytes"] == 1  # no parameters given
     with pytest.raises(ConfigError) as info:
-        apply_budget("100MiB", torch.device("cpu"), parameter_bytes=100 * MIB)
+        apply_budget(100 * MIB, torch.device("cpu"), parameter_bytes=100 * MIB)
     assert str(info.value) == ("budget 100MiB cannot hold the model's parameters (100 MB), "
                                "before any activation; raise --budget above 100MiB")
 
@@ -220,19 +220,19 @@ def test_recap_after_warmup_caps_by_the_grown_context(mock_cuda):
     the cached blocks, on the run's device (the current one where the run names none)."""
     mock_cuda.initialized, mock_cuda.reserved = True, 2 * GIB
     mock_cuda.nvml = [3 * GIB + GIB // 4]
-    facts = recap_after_warmup("4GiB", torch.device("cuda", 3))
+    facts = recap_after_warmup(4 * GIB, torch.device("cuda", 3))
     context = GIB + GIB // 4
     assert facts == {"cuda_context_after_warmup_bytes": context,
                      "allocator_cap_after_warmup_bytes": 4 * GIB - context}
     assert mock_cuda.caps == [((4 * GIB - context) / (80 * GIB), 3)] and mock_cuda.emptied == 1
     assert set(mock_cuda.asked) == {3}
     mock_cuda.current, mock_cuda.asked, mock_cuda.nvml = 2, [], [3 * GIB + GIB // 4]
-    recap_after_warmup("4GiB", torch.device("cuda"))
+    recap_after_warmup(4 * GIB, torch.device("cuda"))
     assert mock_cuda.caps[-1][1] == 2 and set(mock_cuda.asked) == {2}
     assert recap_after_warmup(None, torch.device("cuda", 0)) == {}
-    assert recap_after_warmup("4GiB", torch.device("cpu")) == {}
+    assert recap_after_warmup(4 * GIB, torch.device("cpu")) == {}
     mock_cuda.initialized = False  # no run has made a context: nothing to re-measure
-    assert recap_after_warmup("4GiB", torch.device("cuda", 0)) == {}
+    assert recap_after_warmup(4 * GIB, torch.device("cuda", 0)) == {}
 
 
 @pytest.mark.parametrize("cause, status", [
@@ -255,6 +255,6 @@ def test_a_failing_recap_after_warmup_is_recorded_in_the_step_it_follows(
     cfg = make_config(192, validate=False, warmup_steps=1, max_steps=2)
     cfg.budget = "64GiB"  # on the CPU the tensor meter enforces it; nothing comes near it
     rec = execute(cfg, None)
-    assert calls == ["64GiB"]
+    assert calls == [64 * GIB]  # in bytes, parsed once (techniques.check_early)
     assert (rec.status, rec.failed_phase) == (status, "step")
     assert str(cause) in rec.error

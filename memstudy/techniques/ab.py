@@ -52,7 +52,7 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError(f"ab:ab_steps must be >= 1 (got {ab_steps})")
     if warmup < 0 or rebound < 0:
         raise ConfigError(f"ab:warmup and ab:rebound must be >= 0 (got {warmup}, {rebound})")
-    steps = planned_steps(plan.config, plan.config.data.train_images)
+    steps = planned_steps(plan.config, plan.config.data.train_images, chosen=plan.chosen)
     if warmup + ab_steps > steps:
         raise ConfigError(f"ab:warmup={warmup} + ab:ab_steps={ab_steps} exceed the run's {steps} "
                           "steps: no AB phase would finish; lower them or train longer")
@@ -71,7 +71,8 @@ def apply(opts: Options, build: Build) -> None:
     warmup, ab_steps, rebound = resolved(opts, build.config)
     schedule = ABSchedule(ddp.module, ddp, warmup, ab_steps, rebound, opts.sigma_cutoff,
                           opts.skip_first, opts.skip_last, context.rank(), context.world_size(),
-                          total=planned_steps(build.config, build.config.data.train_images))
+                          total=planned_steps(build.config, build.config.data.train_images,
+                                              chosen=build.plan.chosen))
     rt, factory = build.runtime, build.runtime.optimizer_factory
 
     def optimizer_with_groups(model):

@@ -47,6 +47,7 @@ class Plan:
     n_gpus: int
     chosen: dict[str, Any]  # technique name -> its options, in the canonical composition order
     techniques: dict[str, "Technique"] = field(default_factory=dict)  # name -> its declaration
+    budget_bytes: int | None = None  # config.budget in bytes, parsed once (check_early)
 
     def has(self, name: str) -> bool:
         return name in self.chosen

@@ -33,7 +33,7 @@ from memstudy.models.unet import upsampled_elements
 from memstudy.quality import ObservedLoss, check_image_size, make_loss
 from memstudy.runtime import Runtime
 from memstudy.sizes import size_hw
-from memstudy.techniques import (get_technique, list_techniques, parse_techniques,
+from memstudy.techniques import (Checked, check_early, get_technique, list_techniques,
                                  resolve_run_settings)
 from memstudy.techniques.base import Build, Plan, Stage
 from memstudy.tiling.levels import VALIDATION_LEVELS, min_tile_rows
@@ -54,22 +54,25 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-def make_plan(config: RunConfig, *, device: torch.device | None = None,
-              n_gpus: int | None = None) -> Plan:
+def make_plan(config: RunConfig, *, checked: Checked | None = None,
+              device: torch.device | None = None, n_gpus: int | None = None) -> Plan:
     """Everything that can be refused is refused here, before a model or dataset is built.
 
-    `device` and `n_gpus` plan for another host (validation only: tests plan 2-GPU runs on the
-    CPU); by default they are this process's train.device and its visible GPUs."""
-    check_config(config)
+    `checked`: what techniques.check_early made of this config where the caller ran it (the
+    CLI, before torch loaded), so nothing is checked or parsed twice. `device` and `n_gpus`
+    plan for another host (validation only: tests plan 2-GPU runs on the CPU); by default they
+    are this process's train.device and its visible GPUs."""
+    checked = check_config(config, checked)
     policy.check_settings(config.train)  # the training-policy settings (memstudy/policy.py)
     if config.train.task == "enhance":  # MS-SSIM's smallest side; segmentation has no window
         check_image_size(config.train.image_size, config.train.msssim_scales)
     device = resolve_device(config.train.device) if device is None else device
     if n_gpus is None:
         n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    chosen = parse_techniques(config.techniques)  # canonical order, whatever the user's order
+    chosen = checked.chosen  # canonical order, whatever the user's order
     plan = Plan(config=config, device=device, n_gpus=n_gpus, chosen=chosen,
-                techniques={name: get_technique(name) for name in chosen})
+                techniques={name: get_technique(name) for name in chosen},
+                budget_bytes=checked.budget_bytes)
     check_network(plan)  # the network first: a technique that cannot act on it at all
     for name, options in chosen.items():  # the specific refusals, naming the fix
         get_technique(name).check(options, plan)
@@ -133,13 +136,15 @@ def check_upsampling(plan: Plan) -> None:
             "up-sample the tiled levels) or use a smaller train.image_size or train.batch_size")
 
 
-def check_config(config: RunConfig) -> None:
-    """The config's own checks, then what its unset run settings become: the techniques'
-    defaults first (the registry's), then the device's."""
-    config.check()
-    resolve_run_settings(config)
+def check_config(config: RunConfig, checked: Checked | None = None) -> Checked:
+    """The config's own checks and its parsed techniques and budget (techniques.check_early,
+    unless `checked` holds them already), then what its unset run settings become: the
+    techniques' defaults first (the registry's), then the device's."""
+    checked = check_early(config) if checked is None else checked
+    resolve_run_settings(config, checked.chosen)
     config.train.resolve_tuning()
     check_val_tiles(config.train)
+    return checked
 
 
 def check_val_tiles(train) -> None:

@@ -60,7 +60,7 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError(f"daso needs at least 2 nodes of daso:node_size ranks: world_size {ws} "
                           f"with node_size {n} gives {ws / n:g}; set daso:node_size to a divisor "
                           f"of world_size up to {ws // 2} (on one host it emulates nodes)")
-    steps = planned_steps(plan.config, plan.config.data.train_images)
+    steps = planned_steps(plan.config, plan.config.data.train_images, chosen=plan.chosen)
     if opts.warmup + opts.cooldown >= steps:
         raise ConfigError(f"daso:warmup={opts.warmup} + daso:cooldown={opts.cooldown} leave no "
                           f"cycling step of the run's {steps}; lower them")
@@ -191,7 +191,8 @@ def apply(opts: Options, build: Build) -> None:
     model, rt = build.model, build.runtime
     for p in model.parameters():  # every replica starts from rank 0's parameters (as DDP)
         dist.broadcast(p.data, src=0)
-    total = planned_steps(build.config, build.config.data.train_images)
+    total = planned_steps(build.config, build.config.data.train_images,
+                          chosen=build.plan.chosen)
     sync = DASOSync(model.parameters(), opts, total, context.rank(), context.world_size())
     factory = rt.optimizer_factory
 

@@ -43,7 +43,7 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError(f"lowrank:alpha must be in (0, 1] (got {opts.alpha})")
     if opts.nu < 1:
         raise ConfigError(f"lowrank:nu must be >= 1 step (got {opts.nu})")
-    steps = planned_steps(plan.config, plan.config.data.train_images)
+    steps = planned_steps(plan.config, plan.config.data.train_images, chosen=plan.chosen)
     d = resolved_d(opts, plan)
     if d < 0 or d >= steps:
         raise ConfigError(f"lowrank:d={d} must be in [0, {steps - 1}]: this run takes {steps} "

@@ -26,7 +26,6 @@ from memstudy.triaccel.flat_grads import FlatGradients
 from memstudy.triaccel.precision import (LEVELS, UnitPrecision, VarianceEMA, assign_precision,
                                          float_output)
 from memstudy.triaccel.control_units import unet_units
-from memstudy.bytesize import parse_bytes
 from memstudy.tiling.validation import UNTILED_REASON
 
 
@@ -72,7 +71,7 @@ class TriAccelController:
         if opts.elastic:
             self.elastic = ElasticBatch(self.base_batch, opts.rho_low, opts.rho_high, opts.delta_up,
                                         opts.delta_down, opts.max_batch)
-            budget = parse_bytes(build.config.budget, "budget") if build.config.budget else None
+            budget = build.plan.budget_bytes  # parsed once (techniques.check_early)
             self.probe = (CudaMemory(self.device, budget) if self.device.type == "cuda"
                           else MeterMemory(lambda: self.rt.memory_meter, budget))
             self.rt.oom_handler = self.on_oom
