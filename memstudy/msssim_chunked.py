@@ -22,6 +22,9 @@ a kernel launch overhead per block that grows as `rows` shrinks (bench_loss.py m
 An earlier version ran the blocks without autograd in forward and again with it in backward
 (2.5x pytorch-msssim's time at 4188 px on an H100, bench_loss).
 
+The target may lie in host memory (tile:stream): its pyramid is pooled there and each block
+of it is copied in as the block is computed.
+
 Same value: the blocks use pytorch-msssim's `gaussian_filter` (once on the five inputs stacked
 along channels), its window, padding and pooling, its `_ssim` formula with its constants, and
 the terms are combined by the same relu / pow / prod; only the order of the sums differs
@@ -35,6 +38,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from pytorch_msssim.ssim import _fspecial_gauss_1d, gaussian_filter
+
+from memstudy.streaming import add_rows, on_device
 
 WIN_SIGMA = 1.5  # pytorch-msssim's default
 C1, C2 = 0.01 ** 2, 0.03 ** 2  # pytorch-msssim's (K1 data_range)^2, (K2 data_range)^2, data_range 1
@@ -109,8 +114,9 @@ def _level_pass(x, y, win, rows: int, use_ssim: bool, need: tuple[bool, bool]):
     grads = [torch.zeros_like(t) if n else None for t, n in zip((x, y), need)]
     ssim_sum = cs_sum = 0
     for r0, r1, _ in _blocks(x.shape[-2], win.shape[-1], rows):
+        # a host target (tile:stream) is brought in a block at a time
         xb = x[..., r0:r1, :].detach().requires_grad_(need[0])
-        yb = y[..., r0:r1, :].detach().requires_grad_(need[1])
+        yb = on_device(y[..., r0:r1, :], x.device).detach().requires_grad_(need[1])
         with torch.enable_grad():
             s, c = (m.flatten(2).sum(-1) for m in _ssim_maps(xb, yb, win))
             leaves = [t for t, wanted in zip((xb, yb), need) if wanted]
@@ -119,7 +125,7 @@ def _level_pass(x, y, win, rows: int, use_ssim: bool, need: tuple[bool, bool]):
         ssim_sum, cs_sum = ssim_sum + s.detach(), cs_sum + c.detach()
         for grad, wanted in zip(grads, need):
             if wanted:
-                grad[..., r0:r1, :] += next(found)
+                add_rows(grad, r0, r1, next(found))
     return ssim_sum / total, cs_sum / total, grads
 
 

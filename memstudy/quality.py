@@ -96,6 +96,8 @@ class ObservedLoss(torch.nn.Module):
         rows = auto_chunk_rows(out, self.row_maps) if self.chunk_rows == "auto" \
             else self.chunk_rows
         self.rows_used.add(rows)
+        if not rows:  # unchunked: the whole target where the output is (a host one, tile:stream)
+            target = target.to(out.device, non_blocking=True)
         try:
             with torch.autocast(out.device.type, enabled=False):
                 return self.compute(out, target, rows)

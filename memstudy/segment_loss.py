@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from memstudy.streaming import on_device
+
 SMOOTH = 1.0  # added to numerator and denominator of the soft Dice (pixels)
 
 
@@ -82,8 +84,9 @@ def row_blocks(height: int, rows: int):
         yield start, min(start + rows, height)
 
 
-def _block(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-    return t[..., r0:r1, :]
+def _block(t: torch.Tensor, r0: int, r1: int, device: torch.device | None = None) -> torch.Tensor:
+    """Rows r0:r1 of `t`, on `device` (a host target, tile:stream, copied in a block at a time)."""
+    return on_device(t[..., r0:r1, :], device)
 
 
 def loss_sums(logits, target, classes: int, rows: int) -> list[torch.Tensor]:
@@ -91,7 +94,8 @@ def loss_sums(logits, target, classes: int, rows: int) -> list[torch.Tensor]:
     dtype, total = compute_dtype(logits), None
     with torch.no_grad():
         for r0, r1 in row_blocks(logits.shape[-2], rows):
-            terms = block_terms(_block(logits, r0, r1).to(dtype), _block(target, r0, r1), classes)
+            terms = block_terms(_block(logits, r0, r1).to(dtype),
+                                _block(target, r0, r1, logits.device), classes)
             total = list(terms) if total is None else [a + b for a, b in zip(total, terms)]
     return total
 
@@ -117,7 +121,8 @@ class ChunkedSegmentLoss(torch.autograd.Function):
         for r0, r1 in row_blocks(logits.shape[-2], ctx.rows):
             z = _block(logits, r0, r1).detach().to(dtype).requires_grad_(True)
             with torch.enable_grad():
-                ce, inter, pred, _ = block_terms(z, _block(target, r0, r1), ctx.classes)
+                ce, inter, pred, _ = block_terms(z, _block(target, r0, r1, logits.device),
+                                                 ctx.classes)
                 linear = weights[0] * ce + (weights[1] * inter).sum() + (weights[2] * pred).sum()
                 (block,) = torch.autograd.grad(linear, z)
             _block(grad, r0, r1).copy_(block)
@@ -167,7 +172,7 @@ def segment_scores(logits, target, classes: int, rows: int) -> tuple[float, torc
     check_shapes(logits, target, classes)
     dtype, sums, counts = compute_dtype(logits), None, None
     for r0, r1 in row_blocks(logits.shape[-2], rows):
-        z, mask = _block(logits, r0, r1).to(dtype), _block(target, r0, r1)
+        z, mask = _block(logits, r0, r1).to(dtype), _block(target, r0, r1, logits.device)
         terms = block_terms(z, mask, classes)
         sums = list(terms) if sums is None else [a + b for a, b in zip(sums, terms)]
         here = hard_counts(z, mask, classes)

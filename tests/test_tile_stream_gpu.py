@@ -63,3 +63,28 @@ def test_stream_step_equals_the_device_step_and_holds_less():
                     (streamed[0], streamed[1], *streamed[2].values())):
         assert ((a - b).norm() / a.norm().clamp_min(1e-30)).item() < 1e-5
     assert streamed[3] < plain[3]
+
+
+@pytest.mark.parametrize("task", ["enhance", "segment"])
+def test_a_host_target_gives_the_device_target_loss_and_gradient(task):
+    """The chunked losses read a target in pinned host memory a block at a time: the value and
+    the output's gradient are those of the same target on the device."""
+    from memstudy.msssim_chunked import chunked_msssim
+    from memstudy.segment_loss import segment_loss
+
+    g = torch.Generator().manual_seed(2)
+    out = torch.rand(1, 1, 600, 500, generator=g, dtype=torch.float64).cuda()
+    target = torch.rand(1, 1, 600, 500, generator=g, dtype=torch.float64)
+    if task == "segment":
+        out, target = out * 4 - 2, (target > 0.5).double()
+    loss = ((lambda o, t: chunked_msssim(o, t, [0.0448, 0.2856, 0.3001, 0.2363, 0.1333], 11, 64))
+            if task == "enhance" else (lambda o, t: segment_loss(o, t, 1, 64)))
+    results = []
+    for t in (target.cuda(), target.pin_memory()):
+        o = out.clone().requires_grad_(True)
+        value = loss(o, t)
+        value.backward()
+        results.append((value.detach(), o.grad))
+    (v_dev, g_dev), (v_host, g_host) = results
+    assert torch.allclose(v_host, v_dev, rtol=1e-12, atol=0)
+    assert torch.allclose(g_host, g_dev, rtol=1e-12, atol=1e-300)

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from memstudy.runtime import ROWS_IN, mark_boundary
+from memstudy.streaming import add_rows, host_empty, on_device
 from memstudy.tiling.geometry import Path, Tile
 from memstudy.tiling.norm import Stats, memory_format_of, moments, normalize, statistics_seed
 
@@ -127,35 +128,6 @@ def strips_of(region: Region, tile: Tile, inputs: Sequence[torch.Tensor],
         ROWS_IN.await_rows(x, f * q0, f * q1)
     return [on_device(x[..., f * q0:f * q1, :], device)
             for x, f in zip(inputs, region.input_factors)]
-
-
-def on_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
-    """`t` on `device` (itself where it lies there, or no device is asked for); a copy from
-    pinned host memory is asynchronous on the current stream."""
-    if device is None or t.device == device:
-        return t
-    return t.to(device, non_blocking=True)
-
-
-def host_empty(shape, dtype: torch.dtype, device: torch.device | None,
-               memory_format=torch.contiguous_format) -> torch.Tensor:
-    """An uninitialised host tensor, pinned where the tiles compute on CUDA (`device`), so that
-    copies to and from it are asynchronous and run at full PCIe speed."""
-    return torch.empty(shape, dtype=dtype, device="cpu", memory_format=memory_format,
-                       pin_memory=device is not None and device.type == "cuda")
-
-
-def add_rows(full: torch.Tensor, lo: int, hi: int, part: torch.Tensor) -> None:
-    """full[..., lo:hi, :] += part, where `full` may be a host tensor and `part` on the device:
-    the rows are brought in, added on the device and written back (a strip's worth of device
-    memory; the same additions in the same order as on the device)."""
-    rows = full[..., lo:hi, :]
-    if rows.device == part.device:
-        rows += part
-        return
-    summed = rows.to(part.device, non_blocking=True)
-    summed += part
-    rows.copy_(summed, non_blocking=True)
 
 
 # -- the two sweeps as autograd Functions ------------------------------------------------------
