@@ -100,6 +100,8 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError("tile:stream=true with tile:graphs=true: a graphed tile body reads "
                           "its strips from fixed device buffers, which host boundaries do not "
                           "fill; drop one of the two")
+    if opts.stream:
+        check_stream_host_memory(opts, plan)
     resolve_impl(opts.norm, plan.device, "tile:norm")
     if opts.levels >= 3 and plan.has("invertible"):
         raise ConfigError("tile:levels=3 tiles layer1, whose residual blocks invertible replaces "
@@ -114,6 +116,46 @@ def _check_graphs(opts: Options, plan: Plan) -> None:
         raise ConfigError(f"tile:graphs=true replays tile bodies as CUDA graphs, but train.device "
                           f"resolves to {plan.device}; set tile:graphs=false or train.device = "
                           "'cuda'")
+
+
+def stream_host_bytes(opts: Options, plan: Plan) -> tuple[int, list[str]] | None:
+    """Bytes of the boundaries tile:stream keeps in host memory for the run's size and batch
+    (None for native sizes: known per image), and their names; from the network built on the
+    meta device (no memory, no weights)."""
+    import torch
+
+    from memstudy.models import build_unet
+    from memstudy.sizes import size_hw
+
+    hw = size_hw(plan.config.train.image_size)
+    if hw is None:
+        return None
+    with torch.device("meta"):
+        unet = build_unet(network=plan.config.model, task=plan.config.train.task)
+    tiled = TiledForward(unet, opts.levels, opts.tiles, opts.rows, opts.keep, None, opts.layer1,
+                         "torch", stream=True)
+    height, width = (-(-side // STRIDE) * STRIDE for side in hw)
+    element = 2 if plan.has("amp") else 4  # bf16 / fp16 boundaries under amp, else float32
+    return (tiled.host_bytes(height, width, plan.config.train.batch_size, element),
+            sorted(tiled.host_outputs()))
+
+
+def check_stream_host_memory(opts: Options, plan: Plan) -> None:
+    """Refuse, before anything is built, a stream whose host boundaries and their gradients
+    (in backward a host input's gradient adds up beside it: at most as much again) exceed
+    this host's memory."""
+    from memstudy.bytesize import size_text
+    from memstudy.sizes import host_memory_bytes, size_label
+
+    sized, have = stream_host_bytes(opts, plan), host_memory_bytes()
+    if sized is None or not have or 2 * sized[0] <= have:
+        return
+    kept, names = sized
+    raise ConfigError(f"tile:stream at {size_label(plan.config.train.image_size)} px keeps "
+                      f"{size_text(kept)} of boundaries in host memory ({', '.join(names)}) and "
+                      f"up to as much again of their gradients in backward, "
+                      f"{size_text(2 * kept)}, more than this host's {size_text(have)}; choose "
+                      "a smaller size or batch, or drop tile:stream")
 
 
 def _padded_height(size) -> int | None:
@@ -153,6 +195,8 @@ def apply(opts: Options, build: Build) -> None:
                                    "stream": opts.stream,
                                    "halo_rows": min_tile_rows(opts.levels, opts.keep, opts.layer1,
                                                               build.config.model.encoder)}
+    if opts.stream and (sized := stream_host_bytes(opts, build.plan)) is not None:
+        notes["stream_host_bytes"] = sized[0]
     graphs = None
     if opts.graphs:
         graphs = TileGraphs(CudaGraphs(), opts.graph_limit, opts.graph_fallback, notes)

@@ -269,6 +269,29 @@ class TiledForward:
             return set()
         return {spec.output for spec in self.specs} - {"low", "out"}
 
+    def host_bytes(self, height: int, width: int, batch: int, element_bytes: int) -> int:
+        """Bytes of the boundaries `stream` keeps in host memory for a padded height x width
+        input of `batch` images, `element_bytes` per element (2 under amp): each is its
+        region's output, channels from the modules that write it, at its resolution."""
+        return sum(batch * channels * (height // down) * (width // down) * element_bytes
+                   for channels, down in map(self.boundary_shape, self.host_outputs()))
+
+    def boundary_shape(self, name: str) -> tuple[int, int]:
+        """(channels, down-sampling) of a boundary the stream keeps on the host: the stem's
+        output `p0` and layer1's between its regions (`a<j>`: block j's first convolution's
+        output, `p<j>`: block j-1's output) at 1/4 resolution; the decoder's kept first
+        convolution outputs `z2` (1/4) and `z3` (1/2)."""
+        enc, blocks = self.unet.encoder, self.unet.decoder_blocks
+        if name in ("z2", "z3"):
+            return blocks[int(name[1])].conv1[0].out_channels, 2 ** (4 - int(name[1]))
+        if name == "p0":
+            return enc.conv1.out_channels, 4
+        j = int(name[1:])
+        if name[0] == "a":
+            return enc.layer1[j].conv1.out_channels, 4
+        last = [m for m in enc.layer1[j - 1].modules() if isinstance(m, nn.BatchNorm2d)][-1]
+        return last.num_features, 4
+
     def plan(self, height: int) -> dict[str, list]:
         unit = 2 ** self.levels
         total = height // unit
