@@ -26,6 +26,15 @@ Two corrections to plain momentumnet, both in `_Replayable`:
 Reconstruction is not bit-exact in floating point (x_t = x_{t+1} - v), so gradients differ
 from backpropagation through the same momentum network by rounding; docs/techniques/invertible.md
 gives the measured difference.
+
+With `amp:fp16` (memory-saving mode) a float16 input enters each momentum run in float32
+(`velocity_input`): momentumnet stores the velocity in fixed point, int64(v * 2**52), and
+computes v * 2**52 in v's own dtype; in float16 every nonzero value overflows to inf and the
+int64 conversion saturates, so the first block of every run added |v| = 2048 to its
+activations and the float16 convolutions after it overflowed later in training (docs/paper.md,
+"Why AMP with Momentum-Net diverges"). The blocks' convolutions still run in float16 under
+autocast; only the residual stream and the velocity are float32, as they already were after a
+run's first block. Cost: one transient float32 copy of each run's input.
 """
 from __future__ import annotations
 
@@ -106,7 +115,7 @@ class MomentumBlocks(nn.Module):
         for block in blocks:
             block.replay_autocast = None
         try:
-            out = self.momentum(x)
+            out = self.momentum(velocity_input(x) if not self.momentum.use_backprop else x)
         finally:
             # also when the forward is cut short: checkpoint's recomputation of this run stops
             # (by an exception) once momentumnet has saved its tensors, and the rebuild that
@@ -120,6 +129,12 @@ class MomentumBlocks(nn.Module):
         if hasattr(self.momentum.network, "v"):
             self.momentum.network.v = None
         return out
+
+
+def velocity_input(x: torch.Tensor) -> torch.Tensor:
+    """A run's input as momentumnet's fixed-point velocity needs it: float16 becomes float32
+    (float16 * 2**52 is inf for every nonzero value); other dtypes pass unchanged."""
+    return x.float() if x.dtype == torch.float16 else x
 
 
 def preserves_shape(block: nn.Module) -> bool:
