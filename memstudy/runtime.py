@@ -205,6 +205,9 @@ class Runtime:
     oom_handler: Callable[[BaseException], bool] | None = None
     input_device: torch.device | None = None  # where batches go (model parallel: first stage)
     output_device: torch.device | None = None  # where targets go (model parallel: last stage)
+    # tile:stream: batches stay in pinned host memory; the tiled regions bring in the image's
+    # strips they read and the chunked loss the target's blocks
+    inputs_on_host: bool = False
     # The tensor meter enforcing a CPU budget (set by the runner), for controllers that steer
     # by memory use (tri_accel's elastic batch); None on a GPU or without a budget.
     memory_meter: Any = None
@@ -282,7 +285,8 @@ class Runtime:
     def forward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self.forward_context():
             out = model(x)
-            return self.loss_fn(out, y.to(out.device, non_blocking=True))
+            return self.loss_fn(out, y if self.inputs_on_host else
+                                y.to(out.device, non_blocking=True))
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()

@@ -82,6 +82,13 @@ def to_device(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
     return x.contiguous(memory_format=memory_format), y.contiguous(memory_format=memory_format)
 
 
+def batches_device(rt, in_device: torch.device) -> torch.device:
+    """Where a step's batches go: the input device, or host memory (pinned for a GPU by
+    host_batch) where the tiled regions and the chunked loss read them by strips
+    (tile:stream, Runtime.inputs_on_host)."""
+    return torch.device("cpu") if rt.inputs_on_host else in_device
+
+
 def input_format(cfg) -> torch.memory_format:
     """The memory format of batches: channels_last when train.channels_last is on."""
     return torch.channels_last if cfg.channels_last else torch.contiguous_format
@@ -92,6 +99,7 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
     cfg, model, rt = build.config.train, build.model, build.runtime
     state.optimizer = optimizer = rt.optimizer_factory(model)
     in_device = rt.input_device or build.device
+    batch_device = batches_device(rt, in_device)
     first_measured, last_measured = cfg.warmup_steps, cfg.warmup_steps + cfg.measure_steps
     total = cfg.max_steps or math.inf
     state.started = time.perf_counter()
@@ -107,7 +115,7 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
             parts = [piece[rt.shard[0]::rt.shard[1]].tolist() for piece in pieces]
             batches = [host_batch(train_set, indices, in_device) for indices in parts]
             if len(batches) == 1:  # no accumulation: on the device before the step, as ever
-                batches = [to_device(batches[0], in_device, input_format(cfg))]
+                batches = [to_device(batches[0], batch_device, input_format(cfg))]
             measured = first_measured <= state.step < last_measured
             recorder.in_warmup = state.step < first_measured
             # the last warm-up step, after the first (autotuning, graph capture): never measured
@@ -117,7 +125,7 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
                 with step_profile(state.series, rt.rank, build.device) if profiled \
                         else contextlib.nullcontext():
                     loss = _train_step(model, rt, optimizer, recorder, state, batches,
-                                       (in_device, input_format(cfg)), measured)
+                                       (batch_device, input_format(cfg)), measured)
             except PhaseFailure as failure:
                 if not _retry_after_oom(failure, rt, optimizer, state):
                     raise
@@ -289,8 +297,9 @@ def _evaluate(build: Build, val_set, float32: bool = False) -> dict[str, float]:
     model.eval()
     try:
         for i in range(0, len(val_set), cfg.batch_size):
-            x, y = make_batch(val_set, list(range(i, min(i + cfg.batch_size, len(val_set)))),
-                              in_device, input_format(cfg))
+            x, y = to_device(host_batch(val_set, list(range(i, min(i + cfg.batch_size,
+                                                                   len(val_set)))), in_device),
+                             batches_device(rt, in_device), input_format(cfg))
             with rt.forward_context(), _float32_forward(rt, in_device, float32):
                 # exact tiled eval forward (train.val_tile_rows; 0 = untiled), recorded in notes
                 out, build.notes["val_tiling"] = validation_forward(model, x, cfg.val_tile_rows)

@@ -88,3 +88,24 @@ def test_a_host_target_gives_the_device_target_loss_and_gradient(task):
     (v_dev, g_dev), (v_host, g_host) = results
     assert torch.allclose(v_host, v_dev, rtol=1e-12, atol=0)
     assert torch.allclose(g_host, g_dev, rtol=1e-12, atol=1e-300)
+
+
+def test_a_streamed_run_keeps_its_batches_on_the_host(make_config):
+    """Through the technique: the runtime keeps batches in host memory, the forward takes a
+    pinned host image and target, and its loss is the device path's (bf16: relative 1e-2)."""
+    from memstudy.techniques.compose import build_pipeline, make_plan
+
+    losses = []
+    for stream in (False, True):
+        spec = "tile:4:levels=3:layer1=convs" + (":stream=true" if stream else "")
+        build = build_pipeline(make_plan(make_config(512, ["amp:bf16", "checkpoint", spec],
+                                                     device="cuda")))
+        assert build.runtime.inputs_on_host is stream
+        g = torch.Generator().manual_seed(0)
+        x, y = (torch.rand(1, 1, 512, 512, generator=g) for _ in range(2))
+        if stream:
+            x, y = x.pin_memory(), y.pin_memory()
+        else:
+            x, y = x.cuda(), y.cuda()
+        losses.append(build.runtime.forward(build.model, x, y).item())
+    assert abs(losses[1] - losses[0]) <= 1e-2 * abs(losses[0])

@@ -100,6 +100,10 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError("tile:stream=true with tile:graphs=true: a graphed tile body reads "
                           "its strips from fixed device buffers, which host boundaries do not "
                           "fill; drop one of the two")
+    if opts.stream and opts.levels < 2:
+        raise ConfigError("tile:stream=true with tile:levels=1: at levels=1 no boundary lies "
+                          "between tiled regions and the stem reads the whole image; use "
+                          "levels=2 or 3 with stream")
     if opts.stream:
         check_stream_host_memory(opts, plan)
     resolve_impl(opts.norm, plan.device, "tile:norm")
@@ -197,6 +201,7 @@ def apply(opts: Options, build: Build) -> None:
                                                               build.config.model.encoder)}
     if opts.stream and (sized := stream_host_bytes(opts, build.plan)) is not None:
         notes["stream_host_bytes"] = sized[0]
+    build.runtime.inputs_on_host = opts.stream  # the image's strips and the target's blocks
     graphs = None
     if opts.graphs:
         graphs = TileGraphs(CudaGraphs(), opts.graph_limit, opts.graph_fallback, notes)

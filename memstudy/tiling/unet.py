@@ -303,6 +303,9 @@ class TiledForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tiles = self.plan(x.shape[-2])
+        device = next(self.unet.parameters()).device
+        if x.device != device and device.type == "cuda" and not x.is_pinned():
+            x = x.pin_memory()  # a host image padded to the stride: strips copy in asynchronously
         values: dict[str, torch.Tensor] = {"x": x}  # the region boundaries alive now
         stats: dict = {}  # norm name -> the statistics it normalises with
         stem = [spec for spec in self.specs if spec.encoder]

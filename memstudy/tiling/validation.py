@@ -68,6 +68,8 @@ def validation_forward(model: nn.Module, x: torch.Tensor, rows: int) -> tuple[to
     levels = validation_levels(unet)
     reason = getattr(unet, UNTILED_REASON, None) if rows else None
     rows = 0 if reason else rows
+    if not rows:  # a batch kept in host memory (tile:stream) goes whole to the untiled forward
+        x = x.to(next(unet.parameters()).device, non_blocking=True)
     with forward_padded_as(unet, rows, levels):
         out = unet(x)  # wrappers bypassed: an eval forward needs no DDP sync nor compilation
     untiled = f"untiled ({reason or 'val_tile_rows=0'})"
