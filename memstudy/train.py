@@ -180,9 +180,10 @@ def check_measurable(config, train_images: int, chosen: dict | None = None) -> N
     # adaptive accumulation may take its largest k: count the fewest steps the run can take
     steps = planned_steps(config, train_images, most_micro_batches=True, chosen=chosen)
     if steps <= cfg.warmup_steps:
+        accumulation = _accumulation(config, chosen)
         raise ConfigError(
             f"this run takes {steps} optimizer step(s) ({cfg.epochs} epoch(s) of {train_images} "
-            f"training images at batch {cfg.batch_size}{_cap(cfg)}{_accumulation(chosen)}) and "
+            f"training images at batch {cfg.batch_size}{_cap(cfg)}{accumulation}) and "
             f"train.warmup_steps = {cfg.warmup_steps} leaves none to measure: raise train.epochs "
             "or data.train_images, or lower train.warmup_steps")
 
@@ -191,8 +192,8 @@ def _cap(cfg) -> str:
     return f", train.max_steps = {cfg.max_steps}" if cfg.max_steps else ""
 
 
-def _accumulation(chosen: dict) -> str:
-    k = micro_batches(chosen, most=True)
+def _accumulation(config, chosen: dict) -> str:
+    k = micro_batches(config.techniques, most=True, chosen=chosen)
     return f", {k} micro-batches per step" if k > 1 else ""
 
 

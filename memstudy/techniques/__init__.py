@@ -33,16 +33,21 @@ def parse_techniques(specs: list[str]) -> dict[str, Any]:
     return {tech.name: opts for tech, opts in ordered}
 
 
-def declaring(chosen: dict[str, Any], fact: str) -> list[str]:
-    """Techniques of `chosen` (parsed: parse_techniques, in composition order) whose declared
-    `fact` holds for their options: what the harness asks instead of naming techniques
-    (Plan.declaring once planned)."""
+def declaring(specs: list[str], fact: str) -> list[str]:
+    """Techniques of `specs` (in composition order) whose declared `fact` holds for their
+    options: what the harness asks instead of naming techniques (Plan.declaring once planned;
+    `declared_by` where the techniques are parsed already)."""
+    return declared_by(parse_techniques(specs), fact)
+
+
+def declared_by(chosen: dict[str, Any], fact: str) -> list[str]:
+    """`declaring` for parsed techniques (parse_techniques): nothing parsed again."""
     return [n for n, o in chosen.items() if get_technique(n).holds(fact, o)]
 
 
-def shards_batch(chosen: dict[str, Any]) -> bool:
-    """Whether a technique of `chosen` (parsed) splits each global batch over the ranks."""
-    return bool(declaring(chosen, "shards_batch"))
+def shards_batch(specs: list[str]) -> bool:
+    """Whether a technique of `specs` splits each global batch over the ranks."""
+    return bool(declaring(specs, "shards_batch"))
 
 
 @dataclass(frozen=True)
@@ -64,9 +69,12 @@ def check_early(config) -> Checked:
     return Checked(parse_techniques(config.techniques), budget)
 
 
-def micro_batches(chosen: dict[str, Any], most: bool = False) -> int:
-    """Micro-batches per optimizer step the techniques of `chosen` (parsed) declare: at the
-    start, or with `most` the most they may take during the run (1 without accumulation)."""
+def micro_batches(specs: list[str], most: bool = False,
+                  chosen: dict[str, Any] | None = None) -> int:
+    """Micro-batches per optimizer step the techniques of `specs` declare: at the start, or
+    with `most` the most they may take during the run (1 without accumulation). `chosen`:
+    `specs` parsed, where the caller has them."""
+    chosen = parse_techniques(specs) if chosen is None else chosen
     fact = "most_micro_batches" if most else "micro_batches"
     return max([get_technique(n).value(fact, o) for n, o in chosen.items()], default=1)
 
@@ -79,8 +87,8 @@ def planned_steps(config, train_images: int, most_micro_batches: bool = False,
     largest k). `chosen`: config.techniques parsed, where the caller has them (a plan's)."""
     chosen = parse_techniques(config.techniques) if chosen is None else chosen
     return run_length.planned_steps(
-        config.train, train_images, shards_batch=shards_batch(chosen),
-        micro_batches=micro_batches(chosen, most=most_micro_batches))
+        config.train, train_images, shards_batch=bool(declared_by(chosen, "shards_batch")),
+        micro_batches=micro_batches(config.techniques, most_micro_batches, chosen))
 
 
 def resolve_run_settings(config, chosen: dict[str, Any]) -> None:
@@ -91,7 +99,7 @@ def resolve_run_settings(config, chosen: dict[str, Any]) -> None:
     batch size changes during the run."""
     if not chosen:
         return
-    needs = declaring(chosen, "contiguous_weights")
+    needs = declared_by(chosen, "contiguous_weights")
     if needs and config.train.channels_last:
         raise ConfigError(f"{needs[0]} needs contiguous parameters (FSDP2 shards no other), "
                           "but train.channels_last = true stores convolution weights in NHWC; "
@@ -100,7 +108,7 @@ def resolve_run_settings(config, chosen: dict[str, Any]) -> None:
         config.train.channels_last = False
     # cuDNN would time its algorithms again for every new batch size, inside timed epochs
     # (tri_accel's elastic batch on an H100: 4 steps in 17.6 s, amp:fp16 24 in 1.9 s)
-    if config.train.cudnn_benchmark is None and declaring(chosen, "varies_batch"):
+    if config.train.cudnn_benchmark is None and declared_by(chosen, "varies_batch"):
         config.train.cudnn_benchmark = False
 
 
@@ -117,4 +125,4 @@ def applied(chosen: dict[str, Any]) -> list[str]:
 __all__ = ["Build", "Plan", "Stage", "Technique", "register", "list_techniques",
            "get_technique", "parse_techniques", "canonical", "composition_key", "declaring",
            "shards_batch", "micro_batches", "planned_steps", "resolve_run_settings",
-           "check_early", "Checked", "applied", "declared", "technique_names"]
+           "check_early", "Checked", "applied", "declared", "declared_by", "technique_names"]
