@@ -39,7 +39,6 @@ run's first block. Cost: one transient float32 copy of each run's input.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
 import torch
 from momentumnet import MomentumNet
@@ -49,17 +48,7 @@ from torch.ao.quantization import FakeQuantizeBase
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
-
-
-@dataclass
-class Options:
-    gamma: float = field(default=0.9, metadata={
-        "help": "momentum term in (0, 1); larger = closer to a plain ResNet step, more stable "
-                "reconstruction"})
-    memory_saving: bool = field(default=True, metadata={
-        "help": "rebuild activations in backward (momentumnet use_backprop=False); false keeps "
-                "the momentum network but backpropagates normally (control for the function "
-                "change)"})
+from memstudy.techniques.options import InvertibleOptions as Options
 
 
 class _Replayable(nn.Module):
