@@ -252,6 +252,7 @@ class TiledForward:
         self.graphs = graphs
         self.specs = region_specs(levels, keep, layer1, layer1_of(unet))
         self.stream = stream
+        self.kept_on_host = self.host_outputs()  # fixed by the regions: derived once
         produced: set[str] = set()
         self.regions = {spec.name: build_region(unet, spec, levels, produced, kernels)
                         for spec in self.specs}
@@ -310,21 +311,21 @@ class TiledForward:
         stats: dict = {}  # norm name -> the statistics it normalises with
         stem = [spec for spec in self.specs if spec.encoder]
         for spec in stem:
-            self._run(spec, tiles[spec.name], values, stats)
+            self._run(spec, tiles[spec.name], values, stats, device)
         values.update(self._untiled(values))
         for spec in self.specs[len(stem):]:
-            self._run(spec, tiles[spec.name], values, stats)
+            self._run(spec, tiles[spec.name], values, stats, device)
         return values["out"]
 
-    def _run(self, spec: RegionSpec, tiles: list, values: dict, stats: dict) -> None:
+    def _run(self, spec: RegionSpec, tiles: list, values: dict, stats: dict,
+             device: torch.device) -> None:
         """Run one region; its output joins `values`, inputs no later region reads leave it
         (so that a boundary an offload moved to the host leaves the device)."""
         region = self.regions[spec.name]
         shared = [stats[name] for name in region.norm_names[:region.shared]]
-        device = next(self.unet.parameters()).device
         out, own, out_stats = run_region(region, tiles, [values[n] for n in spec.inputs],
                                          shared, self.graphs, device,
-                                         host=spec.output in self.host_outputs())
+                                         host=spec.output in self.kept_on_host)
         stats.update(zip(region.norm_names, own))
         if out_stats is not None:
             stats[spec.out_norm] = out_stats
