@@ -53,6 +53,10 @@ NATIVE_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,ti
 STREAM_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
               "tile:16:levels=3:keep=conv1:layer1=convs:stream=true,"
               "allocator:expandable_segments=true")
+# The 2 GiB rung (docs/budget.md): the streaming set with narrower strips and Adam's moments in
+# host memory, so the device holds the parameters, the untiled levels and one strip's work
+STREAM_2GIB_SETS = ";".join(
+    STREAM_SET.replace("tile:16:", f"tile:{strips}:") + ",offload_optim" for strips in (16, 32))
 # With 8 GiB at 4188 px nothing needs to leave the device: the 4 GiB set without offload's copies
 RESIDENT_SET = "amp:bf16,checkpoint,tile:4:keep=all,allocator:expandable_segments=true"
 
