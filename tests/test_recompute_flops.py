@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import small_config
 from memstudy.techniques.compose import build_pipeline, make_plan
-from memstudy.tiling.unet import up_conv_weight
+from memstudy.models.unet import up_conv_weight
 
 SIZE = 192  # the smallest MS-SSIM allows; FLOPs do not depend on values, only on shapes
 STEM = "UNet.net.encoder.conv1"

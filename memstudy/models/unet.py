@@ -75,10 +75,23 @@ class DecoderBlock(UnetDecoderBlock):
     """smp's U-Net decoder block with its nearest up-sampling outside autocast: in the input's
     dtype, which is what the convolution after it would cast back to. The same values (nearest
     copies them; the block's convolution sees the same bits), half the bytes under bf16 / fp16
-    autocast. tests/test_models.py compares it with smp's block."""
+    autocast. tests/test_models.py compares it with smp's block.
+
+    `fold_upsampling` (False unless a technique sets it): the up-sampling, concatenation and
+    first convolution run as one folded op (`up_conv`), which never writes the up-sampled or
+    concatenated tensors (at 16384 px, decoder block 1's concatenation alone is 3 GiB in bf16).
+    Exact to float rounding, not bitwise: the folded kernel adds weights before multiplying."""
+    fold_upsampling = False
 
     def forward(self, feature_map: torch.Tensor, target_height: int, target_width: int,
                 skip_connection: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fold_upsampling and isinstance(self.attention1.attention, nn.Identity) and (
+                target_height, target_width) == tuple(2 * n for n in feature_map.shape[-2:]):
+            conv, *rest = self.conv1  # smp's Conv2dReLU: convolution, BatchNorm, ReLU
+            t = up_conv(conv, feature_map, skip_connection)
+            for module in rest:
+                t = module(t)
+            return self.attention2(self.conv2(t))
         kind = feature_map.device.type  # "meta" (FLOP counting) has no autocast to leave
         outside = (torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind)
                    else contextlib.nullcontext())
@@ -91,6 +104,45 @@ class DecoderBlock(UnetDecoderBlock):
         feature_map = self.conv1(feature_map)
         feature_map = self.conv2(feature_map)
         return self.attention2(feature_map)
+
+
+def up_conv(conv: nn.Conv2d, d: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
+    """conv(cat(up(d), skip)) without up(d): the convolution's weights over d's channels
+    folded into a stride-2 transposed convolution of d (`up_conv_weight`), plus the
+    convolution of the skip. Exact (each output sums the same products, with the weights of
+    taps that read the same pixel of d added first); the up-sampled and concatenated
+    tensors are never written, and the up-sampled part costs 4 / 9 of the multiply-adds."""
+    n = d.shape[1]
+    out = F.conv_transpose2d(d, up_conv_weight(conv.weight[:, :n], d), conv.bias, stride=2,
+                             padding=1)
+    return out if skip is None else out + F.conv2d(skip, conv.weight[:, n:], padding=1)
+
+
+# Nearest up-sampling by 2, then a 3 x 3 convolution (padding 1): output row 2i + a reads
+# up-sampled rows 2i + a - 1 .. 2i + a + 1, which are rows i - 1, i, i (a = 0) or i, i, i + 1
+# (a = 1) of the input. A transposed convolution of stride 2, kernel 4 and padding 1 writes input
+# row i into output rows 2i - 1 + k, k = 0..3, so tap k of the folded kernel holds the 3 x 3 taps
+# that read row i from output row 2i - 1 + k: k = 0 -> tap 2, 1 -> taps 1 + 2, 2 -> taps 0 + 1,
+# 3 -> tap 0. Zero padding agrees: up-sampled row -1 is input row -1.
+def _fold(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """Taps (0, 1, 2) of `dim` -> (2, 1 + 2, 0 + 1, 0): the four taps of the transposed kernel."""
+    t0, t1, t2 = w.unbind(dim)
+    return torch.stack([t2, t1 + t2, t0 + t1, t0], dim)
+
+
+def up_conv_weight(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The (in, out, 4, 4) transposed-convolution kernel equal to nearest up-sampling by 2 and
+    the 3 x 3 convolution `weight` (out, in, 3, 3), in `like`'s memory format, in the weight's
+    precision (additions and copies only: no constant to copy to the device, which would
+    synchronise with the host and break CUDA-graph capture)."""
+    folded = _fold(_fold(weight, 2), 3).transpose(0, 1)
+    return folded.contiguous(memory_format=memory_format_of(like))
+
+
+def memory_format_of(t: torch.Tensor) -> torch.memory_format:
+    """channels_last for a dense NHWC tensor, else the contiguous format."""
+    nhwc = t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+    return torch.channels_last if nhwc else torch.contiguous_format
 
 
 # smp's block as DecoderBlock was written against (segmentation-models-pytorch 0.6)

@@ -66,7 +66,7 @@ from memstudy.techniques.base import Build, Plan, Stage, Technique
 from memstudy.techniques.options import DEFAULT_TILES
 from memstudy.techniques.options import TileOptions as Options
 from memstudy.tiling.graphs import CudaGraphs, TileGraphs
-from memstudy.tiling.levels import min_tile_rows
+from memstudy.tiling.levels import NETWORK_LEVELS, min_tile_rows
 from memstudy.tiling.unet import TiledForward
 
 # technique -> why it cannot run with tile
@@ -210,6 +210,12 @@ def apply(opts: Options, build: Build) -> None:
                                         graphs, opts.layer1, kernels, opts.stream)
 
 
+def folded_levels(opts: Options) -> int:
+    """Decoder levels that never call nearest up-sampling: the tiled ones (their up-convolution
+    is folded), and with `stream` every one (TiledForward folds the untiled blocks too)."""
+    return NETWORK_LEVELS - 1 if opts.stream else opts.levels
+
+
 def _graph_rows(graphs: TileGraphs, rank: int) -> list[tuple[int, int, str, float]]:
     """The run's graph counts (series step 0): graphs captured, tiles run eagerly past the limit."""
     return [(rank, 0, f"tile_{name}", float(graphs.record[name]))
@@ -219,5 +225,5 @@ def _graph_rows(graphs: TileGraphs, rank: int) -> list[tuple[int, int, str, floa
 register(Technique("tile", Stage.ACTIVATION, Options,
                    "exact row-strip tiling of the top U-Net levels (BatchNorm statistics of the "
                    "whole image): boundaries only in memory, tiles recomputed in backward",
-                   apply, check, folded_upsampling_levels=lambda opts: opts.levels,
+                   apply, check, folded_upsampling_levels=folded_levels,
                    needs_unet="tiles the U-Net's stem, residual blocks and decoder blocks"))

@@ -48,7 +48,8 @@ import torch
 from memstudy.errors import ConfigError
 from memstudy.runtime import ROWS_IN
 from memstudy.tiling.geometry import Tile
-from memstudy.tiling.norm import memory_format_of, moments
+from memstudy.models.unet import memory_format_of
+from memstudy.tiling.norm import moments
 
 
 MOMENTS_CAPACITY = 4096  # channels: more than any tiled BatchNorm of the U-Net has

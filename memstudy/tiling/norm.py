@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from memstudy.kernels import interpreted, norm_act
+from memstudy.models.unet import memory_format_of
 
 Stats = tuple[torch.Tensor, torch.Tensor]  # (mean, biased variance), one value per channel
 
@@ -107,12 +108,6 @@ def _grads(grad_z, sum_dy, sum_dy_xmu, invstd, weight, grad_w=None, grad_b=None)
     if grad_w is None:
         grad_w, grad_b = sum_dy_xmu * invstd, sum_dy
     return (grad_z, -invstd * weight * sum_dy, weight * sum_dy_xmu, grad_w, grad_b, None, None)
-
-
-def memory_format_of(t: torch.Tensor) -> torch.memory_format:
-    """channels_last for a dense NHWC tensor, else the contiguous format."""
-    nhwc = t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-    return torch.channels_last if nhwc else torch.contiguous_format
 
 
 def normalize(z: torch.Tensor, stats: Stats, bn: nn.modules.batchnorm._BatchNorm,

@@ -52,7 +52,8 @@ from torch import nn
 from memstudy.runtime import ROWS_IN, mark_boundary
 from memstudy.streaming import add_rows, host_empty, on_device
 from memstudy.tiling.geometry import Path, Tile
-from memstudy.tiling.norm import Stats, memory_format_of, moments, normalize, statistics_seed
+from memstudy.models.unet import memory_format_of
+from memstudy.tiling.norm import Stats, moments, normalize, statistics_seed
 
 @dataclass
 class Region:

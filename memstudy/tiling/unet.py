@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from memstudy.errors import ConfigError
+from memstudy.models.unet import up_conv
 from memstudy.tiling.chain import (LAST_BLOCK, Layer1, RegionSpec, decoder_walk, encoder_walk,
                                    region_specs, trace)
 from memstudy.tiling.geometry import halo, plan_tiles, split_rows
 from memstudy.tiling.graphs import TileGraphs
 from memstudy.tiling.levels import check_keep, check_layer1, check_levels
-from memstudy.tiling.norm import memory_format_of
 from memstudy.tiling.sweep import Region, TileRun, run_region
 
 
@@ -166,40 +166,10 @@ class TensorOps:
         return self.modules["maxpool"](t)
 
     def up_conv(self, name: str, d: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
-        """conv(cat(up(d), skip)) without up(d): the convolution's weights over d's channels
-        folded into a stride-2 transposed convolution of d (`up_conv_weight`), plus the
-        convolution of the skip. Exact (each output sums the same products, with the weights of
-        taps that read the same pixel of d added first); the up-sampled and concatenated
-        tensors are never written, and the up-sampled part costs 4 / 9 of the multiply-adds."""
-        conv = self.modules[name]
-        n = d.shape[1]
-        out = F.conv_transpose2d(d, up_conv_weight(conv.weight[:, :n], d), conv.bias, stride=2,
-                                 padding=1)
-        return out if skip is None else out + F.conv2d(skip, conv.weight[:, n:], padding=1)
+        return up_conv(self.modules[name], d, skip)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b
-
-
-# Nearest up-sampling by 2, then a 3 x 3 convolution (padding 1): output row 2i + a reads
-# up-sampled rows 2i + a - 1 .. 2i + a + 1, which are rows i - 1, i, i (a = 0) or i, i, i + 1
-# (a = 1) of the input. A transposed convolution of stride 2, kernel 4 and padding 1 writes input
-# row i into output rows 2i - 1 + k, k = 0..3, so tap k of the folded kernel holds the 3 x 3 taps
-# that read row i from output row 2i - 1 + k: k = 0 -> tap 2, 1 -> taps 1 + 2, 2 -> taps 0 + 1,
-# 3 -> tap 0. Zero padding agrees: up-sampled row -1 is input row -1.
-def _fold(w: torch.Tensor, dim: int) -> torch.Tensor:
-    """Taps (0, 1, 2) of `dim` -> (2, 1 + 2, 0 + 1, 0): the four taps of the transposed kernel."""
-    t0, t1, t2 = w.unbind(dim)
-    return torch.stack([t2, t1 + t2, t0 + t1, t0], dim)
-
-
-def up_conv_weight(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The (in, out, 4, 4) transposed-convolution kernel equal to nearest up-sampling by 2 and
-    the 3 x 3 convolution `weight` (out, in, 3, 3), in `like`'s memory format, in the weight's
-    precision (additions and copies only: no constant to copy to the device, which would
-    synchronise with the host and break CUDA-graph capture)."""
-    folded = _fold(_fold(weight, 2), 3).transpose(0, 1)
-    return folded.contiguous(memory_format=memory_format_of(like))
 
 
 def layout_of_weight(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -253,6 +223,9 @@ class TiledForward:
         self.specs = region_specs(levels, keep, layer1, layer1_of(unet))
         self.stream = stream
         self.kept_on_host = self.host_outputs()  # fixed by the regions: derived once
+        if stream:  # the untiled decoder blocks' concatenations are their largest tensors
+            for block in unet.decoder.blocks[:LAST_BLOCK + 1 - levels]:
+                block.fold_upsampling = True
         produced: set[str] = set()
         self.regions = {spec.name: build_region(unet, spec, levels, produced, kernels)
                         for spec in self.specs}
