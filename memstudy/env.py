@@ -31,7 +31,15 @@ def describe(device: torch.device) -> dict[str, object]:
                    gpu_uuid=str(getattr(props, "uuid", "")) or None,  # which physical GPU ran it
                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                    driver=_driver_version())
+        # settings of the libraries' workspaces and kernel loading, which the context's size
+        # and a budget's last bytes depend on (docs/budget.md)
+        env.update({name.lower(): os.environ[name] for name in LIBRARY_SETTINGS
+                    if name in os.environ})
     return env
+
+
+LIBRARY_SETTINGS = ("CUDNN_CONV_WSCAP_DBG", "CUBLAS_WORKSPACE_CONFIG", "CUDA_MODULE_LOADING",
+                    "TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT")
 
 
 def indexed_device(device: torch.device) -> torch.device:
