@@ -122,7 +122,7 @@ def _time_ms(fn, repeat: int = 20) -> float:
 
 
 def part_kernels(numel: int) -> tuple[list[str], list[dict]]:
-    from memstudy.kernels import quantize as qk
+    import memstudy.techniques.compress.quantize as qk
     lines = [f"Tensor of {numel / 2 ** 20:.0f} Mi elements (a 64-channel map of "
              f"{int((numel / 64) ** 0.5)} px squared), group 256; median of 20 launches. "
              "*_channels: channel-major groups of 256 pixels of one of the 64 channels "

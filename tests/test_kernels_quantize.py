@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from memstudy.kernels import quantize as qk
-from memstudy.compression.codec import Compressor
+import memstudy.techniques.compress.quantize as qk
+from memstudy.techniques.compress.codec import Compressor
 from helpers import run_interpreted
 
 # a tail shorter than a byte, a tail inside a group, whole groups, several programs' worth

@@ -12,10 +12,10 @@ from memstudy.models import build_unet
 from memstudy.runtime import BOUNDARY, Runtime, is_boundary
 from memstudy.techniques import get_technique
 from memstudy.techniques.base import Plan
-from memstudy.kernels import quantize as qk
-from memstudy.compression.codec import Compressor, Quantized
-from memstudy.compression.patches import patch_maxpools, patch_relus
-from memstudy.compression.probe import gradient_deviation
+import memstudy.techniques.compress.quantize as qk
+from memstudy.techniques.compress.codec import Compressor, Quantized
+from memstudy.techniques.compress.patches import patch_maxpools, patch_relus
+from memstudy.techniques.compress.probe import gradient_deviation
 from memstudy.techniques.offload import OFFLOADED, Offloader
 from helpers import hooked_grads, measured_step, saved_bytes
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memstudy.compression.codec import Compressor
+from memstudy.techniques.compress.codec import Compressor
 from memstudy.runtime import Runtime, StepInfo
 
 

@@ -12,7 +12,7 @@ backward is linear in its saved input given the saved mean / inverse std, which 
 
 How (a pack / unpack pair in the runtime's chain of saved-tensor transforms, before offload):
 - pack: a saved float tensor (float32 / float16 / bfloat16) of at least `min_numel`
-  elements is cut into groups of `group_size` and quantised by memstudy/kernels/quantize.py
+  elements is cut into groups of `group_size` and quantised by the kernels of quantize.py
   (per group min and step in float32, stochastic rounding, codes bit-packed). Groups: runs of
   consecutive elements in memory order for a contiguous tensor; for a channels-last 4-D one
   (memory N, H, W, C: memstudy's default on CUDA) `group_size` consecutive pixels of one
@@ -55,7 +55,13 @@ and after compression; once, at the last warm-up step (so no measured step pays 
 gradient's cosine similarity and relative error against the same step run uncompressed (same
 batch, BatchNorm statistics restored): `grad_probe`.
 
-The machinery is memstudy/compression/ (codec, ReLU / max-pool patches, gradient probe).
+The machinery is beside this file, in this package:
+- `codec`: saved tensors to codes + per-group statistics and back (the runtime's pack /
+  unpack pair), over the kernels of `quantize`;
+- `quantize`: the Triton kernels, each beside its pure-PyTorch reference (docs/kernels.md);
+- `patches`: ReLU and max-pool forwards that save a 1-bit sign mask / 4-bit window offsets
+  instead of their output / int64 indices (exact backward);
+- `probe`: per-step saved bytes, and the gradient's deviation from an uncompressed re-run.
 
 Composes with amp (16-bit activations: half the saving), checkpoint (what is still saved,
 region inputs at `boundary_bits`, is compressed; `which=boundaries` compresses only those), offload
@@ -67,12 +73,12 @@ from __future__ import annotations
 
 import torch
 
-from memstudy.compression.codec import Compressor
-from memstudy.compression.patches import patch_maxpools, patch_relus
-from memstudy.compression.probe import CompressionRecord
+import memstudy.techniques.compress.quantize as qk
 from memstudy.errors import ConfigError
-from memstudy.kernels import quantize as qk
 from memstudy.kernels import resolve_impl
+from memstudy.techniques.compress.codec import Compressor
+from memstudy.techniques.compress.patches import patch_maxpools, patch_relus
+from memstudy.techniques.compress.probe import CompressionRecord
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 from memstudy.techniques.options import CompressOptions as Options

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from memstudy.kernels import quantize as qk
+import memstudy.techniques.compress.quantize as qk
 from memstudy.runtime import BOUNDARY, is_boundary
 
 SIGN_MASK = "_memstudy_sign_mask"  # on a ReLU mask: the storage of the output it stands for

@@ -14,8 +14,8 @@ import math
 import torch
 from torch import nn
 
-from memstudy.compression.codec import POOL_OFFSETS, Compressor, _dense_stride
-from memstudy.kernels import quantize as qk
+from memstudy.techniques.compress.codec import POOL_OFFSETS, Compressor, _dense_stride
+import memstudy.techniques.compress.quantize as qk
 from memstudy.runtime import CheckpointRegions
 
 
