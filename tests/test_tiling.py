@@ -98,11 +98,17 @@ def assert_exact(tiled: dict, plain: dict, tol: float) -> None:
     (128, 160, {"levels": 3, "tiles": 3, "layer1": "blocks"}, 2),  # a region per BasicBlock
     # + a<j> kept; tile:stream: the boundaries only tiled regions read in host memory
     (128, 160, {"levels": 3, "tiles": 5, "keep": "all", "layer1": "convs", "stream": True}, 1),
+    # layer2 and decoder block 1 too (1/16-res coarse rows: 12 in 3 tiles), in one region
+    (192, 96, {"levels": 4, "tiles": 3}, 2),
+    # every block of layer1 and layer2 cut at its input and first convolution, uneven strips of
+    # 5 coarse rows and the last of 1, host boundaries
+    (256, 96, {"levels": 4, "rows": 80, "layer1": "convs", "stream": True}, 1),
 ], ids=["levels2-3tiles", "levels2-rows80-odd-size-batch2", "levels1-5tiles",
         "levels2-keep-conv1", "levels3-3tiles", "levels3-rows64-keep-conv1", "levels2-keep-all",
         "levels2-keep-bn", "levels2-keep-half-batch2", "levels3-keep-bn-batch2",
         "levels3-layer1-blocks-batch2",
-        "levels3-layer1-convs-5tiles-stream"])
+        "levels3-layer1-convs-5tiles-stream", "levels4-3tiles-batch2",
+        "levels4-layer1-convs-rows80-stream"])
 def test_tiled_step_equals_untiled_float64(height, width, tiling, batch):
     plain = untiled_step(height, width, torch.float64, batch)
     assert_exact(train_step(height, width, torch.float64, tiling, batch), plain,
@@ -125,6 +131,17 @@ def test_tiled_step_equals_untiled_float64_every_encoder(encoder):
         tiling = {"levels": 3, "tiles": 3, "keep": "conv1", "layer1": layer1}
         assert_exact(train_step(128, 96, torch.float64, tiling, 2, encoder), plain,
                      TOL[torch.float64])
+
+
+@pytest.mark.parametrize("encoder", ["resnet50", "resnext50_32x4d"])
+def test_tiled_step_equals_untiled_float64_levels4_bottlenecks(encoder):
+    """levels=4 walks layer2, whose block 0 strides in its 3x3 convolution (a Bottleneck's
+    second, grouped in ResNeXt) and in its projection: rectangular, batch 2, 8 coarse rows in
+    3 strips."""
+    plain = train_step(128, 64, torch.float64, None, 2, encoder)
+    tiling = {"levels": 4, "tiles": 3, "keep": "conv1", "layer1": "convs"}
+    assert_exact(train_step(128, 64, torch.float64, tiling, 2, encoder), plain,
+                 TOL[torch.float64])
 
 
 def test_tiled_segmentation_step_equals_untiled_float64():
@@ -343,3 +360,7 @@ def test_stream_keeps_in_host_memory_only_what_tiled_regions_read():
     assert TiledForward(model, **specs, stream=True).host_outputs() == {
         "p0", "a0", "p1", "a1", "p2", "a2", "z2", "z3"}
     assert TiledForward(model, levels=2, stream=True).host_outputs() == {"z3"}
+    at4 = TiledForward(model, levels=4, layer1="blocks", stream=True)
+    assert at4.host_outputs() == {"p0", "p1", "p2", "l1", "q1", "q2", "q3", "z1", "z2", "z3"}
+    # layer1's output is layer2's input and decoder block 2's skip: kept, 64 channels at 1/4
+    assert at4.boundary_shape("l1") == (64, 4) and at4.boundary_shape("q1") == (128, 8)

@@ -123,7 +123,7 @@ class TileOptions:
         "help": "rows per strip at full resolution instead of a count (multiple of 2**levels)"})
     levels: int = field(default=2, metadata={
         "help": "resolution levels tiled from full resolution down: 1 = full, 2 = full + half, "
-                "3 = full + half + quarter"})
+                "3 = full + half + quarter (layer1 tiled), 4 = down to 1/8 (layer2 too)"})
     keep: str = field(default="conv1", metadata={
         "help": "kept boundaries between regions: none, conv1 (each tiled skip block's first "
                 "convolution output), all (every tiled decoder block's), half (every "
@@ -146,14 +146,16 @@ class TileOptions:
     stream: bool = field(default=False, metadata={
         "hash_neutral": True,
         "help": "keep in host memory (pinned) the boundaries that only tiled regions read "
-                "(the stem's and layer1's outputs between its regions, the decoder's kept "
+                "(the stem's and the tiled stages' outputs between their regions, the "
+                "decoder's kept "
                 "convolution outputs), their strips copied in as tiles need them and their "
                 "gradients added up on the host: device memory for them stays one strip's"})
     layer1: str = field(default="whole", metadata={
         "choices": LAYER1, "hash_neutral": True,
-        "help": "levels=3: whole (layer1 inside the stem's region: 8 sweeps each way over it), "
-                "blocks (a region per BasicBlock, its input kept: 3 sweeps each) or convs "
-                "(also its first convolution's output kept: 1 + 2 sweeps each)"})
+        "help": "levels 3 and 4, how each tiled residual stage (layer1; layer2 at 4) is cut: "
+                "whole (one region: layer1 inside the stem's), blocks (a region per residual "
+                "block, its input kept) or convs (also its first convolution's output kept: "
+                "fewest sweeps)"})
 
     def __post_init__(self) -> None:  # whatever the run: refused before torch loads
         check_levels(self.levels, "tile:levels")

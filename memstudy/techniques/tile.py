@@ -103,14 +103,15 @@ def check(opts: Options, plan: Plan) -> None:
     if opts.stream and opts.levels < 2:
         raise ConfigError("tile:stream=true with tile:levels=1: at levels=1 no boundary lies "
                           "between tiled regions and the stem reads the whole image; use "
-                          "levels=2 or 3 with stream")
+                          "levels 2, 3 or 4 with stream")
     if opts.stream:
         check_stream_host_memory(opts, plan)
     resolve_impl(opts.norm, plan.device, "tile:norm")
     if opts.levels >= 3 and plan.has("invertible"):
-        raise ConfigError("tile:levels=3 tiles layer1, whose residual blocks invertible replaces "
-                          "with momentum blocks; use tile:levels=2 with invertible, or drop "
-                          "invertible")
+        tiled = "layer1" + " and layer2" * (opts.levels > 3)
+        raise ConfigError(f"tile:levels={opts.levels} tiles {tiled}, whose residual blocks "
+                          "invertible replaces with momentum blocks; use tile:levels=2 with "
+                          "invertible, or drop invertible")
 
 
 def _check_graphs(opts: Options, plan: Plan) -> None:

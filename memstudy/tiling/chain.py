@@ -8,15 +8,16 @@ geometry (`Trace` below) walks the same code with row bookkeeping, so the halo o
 follows from exactly the operations its body runs.
 
 Names: "conv1" / "bn1" are the stem's convolution and BatchNorm (the same in every ResNet-family
-encoder), "layer1.<j>.conv1|bn1|conv2|bn2" the encoder's first stage's residual blocks (1/4 res:
-torchvision BasicBlocks, or Bottlenecks with conv3|bn3 too and, in block 0, the projection
-shortcut "layer1.0.downsample.0|1"; `Layer1` says which), "block<i>.conv1|bn1|conv2|bn2" decoder block i's
-two Conv2dReLU layers (smp numbering 0..4, block 4 at full resolution), "head" the
-segmentation head. Tensors a region may start from, stop at or take: "x" (the image), "s"
-(the stem's convolution output before bn1), "p<j>" (layer1 block j's input: p0 the max-pool's
-output), "a<j>" (layer1 block j's first convolution output before its BatchNorm), "l1"
-(layer1's output), "d<i>" (decoder block i's input), "z<i>" / "y<i>" (decoder block i's first /
-second convolution output before its BatchNorm). A region that stops at a tensor before a
+encoder), "layer<k>.<j>.conv1|bn1|conv2|bn2" the residual blocks of the encoder's first two
+stages (torchvision BasicBlocks, or Bottlenecks with conv3|bn3 too; a block that projects its
+input has "layer<k>.<j>.downsample.0|1"; `Stage` says which), "block<i>.conv1|bn1|conv2|bn2"
+decoder block i's two Conv2dReLU layers (smp numbering 0..4, block 4 at full resolution),
+"head" the segmentation head. Tensors a region may start from, stop at or take: "x" (the
+image), "s" (the stem's convolution output before bn1), "p<j>" (layer1 block j's input: p0 the
+max-pool's output), "a<j>" (layer1 block j's first convolution output before its BatchNorm),
+"l1" (layer1's output, layer2's input), "q<j>" / "b<j>" (layer2 block j's input, j >= 1, and
+first convolution output), "l2" (layer2's output), "d<i>" (decoder block i's input), "z<i>" /
+"y<i>" (decoder block i's first / second convolution output before its BatchNorm). A region that stops at a tensor before a
 BatchNorm also produces that BatchNorm's statistics (memstudy/tiling/sweep.py), so the next
 region only normalises it.
 """
@@ -30,49 +31,114 @@ from memstudy.tiling.geometry import Path, Upsample, Window
 STEM = Window(7, 2, 3)
 POOL = Window(3, 2, 1)
 CONV3 = Window(3, 1, 1)
-POINT = Window(1)  # a Bottleneck's 1x1 convolutions and its projection shortcut
 UP = Upsample(2)
 LAST_BLOCK = 4  # the decoder's full-resolution block
-SKIPS = {2: "l1", 3: "f1"}  # decoder block -> its skip feature inside the tiled levels
+SKIPS = {1: "l2", 2: "l1", 3: "f1"}  # decoder block -> its skip feature inside the tiled levels
 STEM_STARTS = ("x", "s")  # where a region of the encoder's stem starts
-LAYER1 = ("whole", "blocks", "convs")  # how levels=3 cuts layer1 into regions (region_specs)
+# how levels >= 3 cuts the tiled residual stages (layer1, and layer2 at levels=4) into regions
+LAYER1 = ("whole", "blocks", "convs")
+KINDS = {1: ("p", "a"), 2: ("q", "b")}  # stage -> letters of its block inputs, first conv outputs
+STAGE_OUTPUTS = {1: "l1", 2: "l2"}  # a stage's output: the next stage's block-0 input
 
 
 @dataclass(frozen=True)
-class Layer1:
-    """The encoder's first residual stage as the walk runs it (stride 1 throughout: the stem's
-    max-pool did the down-sampling): BasicBlocks (conv1, bn1, conv2, bn2) or Bottlenecks (conv1
-    1x1, bn1, conv2 3x3 (grouped in ResNeXt), bn2, conv3 1x1, bn3), whose block 0 also projects
-    its input (64 -> 256 channels) through downsample = (1x1 conv, BatchNorm)."""
+class Stage:
+    """One of the encoder's first two residual stages as the walk runs it: torchvision
+    BasicBlocks (conv1, bn1, conv2, bn2) or Bottlenecks (conv1 1x1, bn1, conv2 3x3 (grouped in
+    ResNeXt), bn2, conv3 1x1, bn3). layer1 runs at 1/4 res with stride 1 throughout (the stem's
+    max-pool did the down-sampling); its block 0 projects its input through downsample = (1x1
+    conv, BatchNorm) where Bottlenecks widen 64 to 256 channels. layer2's block 0 down-samples
+    to 1/8 res with a stride-2 3x3 convolution (conv1 of a BasicBlock, conv2 of a Bottleneck, as
+    torchvision places it) and always projects, with a stride-2 1x1 convolution."""
+    index: int  # 1 (layer1) or 2 (layer2)
     blocks: int
     bottleneck: bool
 
     @classmethod
-    def of(cls, encoder: Encoder) -> "Layer1":
-        return cls(encoder.layers[0], encoder.bottleneck)
+    def of(cls, encoder: Encoder, index: int = 1) -> "Stage":
+        return cls(index, encoder.layers[index - 1], encoder.bottleneck)
 
     @property
-    def projection(self) -> bool:
-        """Block 0 has a projection shortcut (a Bottleneck widens 64 to 256 channels)."""
-        return self.bottleneck
+    def name(self) -> str:
+        return f"layer{self.index}"
+
+    def projects(self, j: int) -> bool:
+        """Block j has a projection shortcut."""
+        return j == 0 and (self.index > 1 or self.bottleneck)
 
     def block_modules(self, j: int) -> list[str]:
         """The convolutions and BatchNorms of block j, by name."""
         parts = ["conv1", "bn1", "conv2", "bn2"] + (["conv3", "bn3"] if self.bottleneck else [])
-        if j == 0 and self.projection:
+        if self.projects(j):
             parts += ["downsample.0", "downsample.1"]
-        return [f"layer1.{j}.{p}" for p in parts]
+        return [f"{self.name}.{j}.{p}" for p in parts]
+
+    def window(self, j: int, part: str) -> Window:
+        """The row window of block j's convolution `part` (conv1, conv2, conv3, downsample.0)."""
+        strided = self.index > 1 and j == 0 and part in (
+            "conv2" if self.bottleneck else "conv1", "downsample.0")
+        stride = 2 if strided else 1
+        if part == "downsample.0" or (self.bottleneck and part != "conv2"):
+            return Window(1, stride, 0)
+        return Window(3, stride, 1)
+
+    def input_name(self, j: int) -> str:
+        """Block j's input: p<j> / q<j>, the previous stage's output for layer2's block 0, and
+        this stage's output for j = blocks."""
+        if j == self.blocks:
+            return STAGE_OUTPUTS[self.index]
+        if j == 0 and self.index > 1:
+            return STAGE_OUTPUTS[self.index - 1]
+        return f"{KINDS[self.index][0]}{j}"
+
+    def conv_name(self, j: int) -> str:
+        """Block j's first convolution output (before its BatchNorm): a<j> / b<j>."""
+        return f"{KINDS[self.index][1]}{j}"
+
+    def log2_res(self, name: str) -> int:
+        """log2 of the resolution (to the input's) of this stage's tensor `name`."""
+        down = -1 - self.index  # layer1 at 1/4, layer2 at 1/8
+        if self.index > 1 and name in (STAGE_OUTPUTS[self.index - 1], f"{KINDS[self.index][1]}0"):
+            # layer2's input, and block 0's first convolution output where a Bottleneck strides
+            # later (its conv1 is 1x1, stride 1)
+            return down + 1 if name[0] != "b" or self.bottleneck else down
+        return down
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The encoder's stages the walks may tile (layer1 at levels=3, layer1 and layer2 at 4)."""
+    stages: tuple[Stage, ...]
+
+    @classmethod
+    def of(cls, encoder: Encoder) -> "Stages":
+        return cls((Stage.of(encoder, 1), Stage.of(encoder, 2)))
+
+    def tiled(self, levels: int) -> tuple[Stage, ...]:
+        return self.stages[:max(0, levels - 2)]
 
     def window(self, conv: str) -> Window:
         """The row window of one of the walk's convolutions."""
         if conv == "conv1":
             return STEM
-        if self.bottleneck and conv.startswith("layer1.") and not conv.endswith("conv2"):
-            return POINT
+        if conv.startswith("layer"):
+            stage, j, part = conv.split(".", 2)
+            return self.stages[int(stage[5:]) - 1].window(int(j), part)
         return CONV3
 
+    def at(self, name: str) -> tuple[Stage, str, int]:
+        """(stage, "in" or "conv", block) of a stage's tensor name (l1 is layer2's block-0
+        input, l2 past layer2's last block)."""
+        for stage in self.stages:
+            for j in range(stage.blocks + 1):
+                if name == stage.input_name(j) and not (j == stage.blocks and stage.index == 1):
+                    return stage, "in", j
+                if j < stage.blocks and name == stage.conv_name(j):
+                    return stage, "conv", j
+        raise KeyError(name)
 
-RESNET34 = Layer1.of(ENCODERS["resnet34"])  # the study's
+
+RESNET34 = Stages.of(ENCODERS["resnet34"])  # the study's
 
 
 @dataclass(frozen=True)
@@ -81,16 +147,18 @@ class RegionSpec:
     name: str
     inputs: tuple[str, ...]
     factors: tuple[int, ...]  # each input's resolution in multiples of the coarse grid
-    start: str  # "x" or "s" (the stem), "p<j>" or "a<j>" (layer1), "d<i>", "z<i>" or "y<i>"
-    # the kept tensor that ends the region (before a BatchNorm, or a layer1 block's input
-    # p<j>); None: the encoder's or the network's last one
+    # "x" or "s" (the stem), "p<j>" or "a<j>" (layer1), "l1", "q<j>" or "b<j>" (layer2),
+    # "d<i>", "z<i>" or "y<i>"
+    start: str
+    # the kept tensor that ends the region (before a BatchNorm, or a residual block's input);
+    # None: the encoder's or the network's last one
     stop: str | None
-    layer1: Layer1 = RESNET34  # the encoder's first stage, as levels=3 walks it
+    stages: Stages = RESNET34  # the encoder's first stages, as levels 3 and 4 walk them
 
     @property
     def encoder(self) -> bool:
-        """The region runs the stem (and layer1 at levels=3), not decoder blocks."""
-        return self.start in STEM_STARTS or self.start[0] in "pa"
+        """The region runs the stem or the tiled residual stages, not decoder blocks."""
+        return self.start in STEM_STARTS or self.start == "l1" or self.start[0] in "paqb"
 
     @property
     def output(self) -> str:
@@ -102,53 +170,68 @@ class RegionSpec:
     def out_norm(self) -> str | None:
         """The BatchNorm that normalises the region's output (whose statistics it produces);
         a layer1 block's input p<j> goes through a convolution first."""
-        if self.stop is None or self.stop[0] == "p":
+        if self.stop is None:
             return None
         if self.stop == "s":
             return "bn1"
-        if self.stop[0] == "a":
-            return f"layer1.{self.stop[1:]}.bn1"
+        if self.encoder_tensor(self.stop):
+            stage, kind, j = self.stages.at(self.stop)
+            return f"{stage.name}.{j}.bn1" if kind == "conv" else None
         return _layer_of(self.stop, "bn")
+
+    @staticmethod
+    def encoder_tensor(name: str) -> bool:
+        """A tiled residual stage's tensor (a block's input or first convolution output)."""
+        return name == "l1" or name[0] in "paqb"
 
 
 # -- the walks -------------------------------------------------------------------------------
 def encoder_walk(ops, levels: int, spec: RegionSpec, strips):
-    """x -> stem conv (-> "s") -> bn1, ReLU, max-pool (-> "p0", then layer1 at levels=3: per
-    residual block j, p<j> -> conv1 (-> "a<j>") -> the rest of the block (`_block_rest`) ->
-    p<j+1>): the 1/4-res feature the untiled levels go on with, or the region's stop on the
-    way."""
+    """x -> stem conv (-> "s") -> bn1, ReLU, max-pool (-> "p0"), then the tiled residual stages
+    (layer1 at levels=3, layer2 too at 4: per block j, its input -> conv1 (-> a<j> / b<j>) ->
+    the rest of the block (`_block_rest`) -> the next block's input): the untiled levels' input
+    ("low"), or the region's stop on the way."""
     named = dict(zip(spec.inputs, strips))
+    tiled = spec.stages.tiled(levels)
     if spec.start in STEM_STARTS:
         s = named["s"] if spec.start == "s" else ops.conv("conv1", named["x"])
         if spec.stop == "s":
             return s
-        t, kind, j = ops.pool(ops.norm("bn1", s, relu=True)), "p", 0
-        if levels < 3:
+        t = ops.pool(ops.norm("bn1", s, relu=True))
+        if not tiled:
             return t
+        stage, kind, j = tiled[0], "in", 0
     else:
-        t, kind, j = named[spec.start], spec.start[0], int(spec.start[1:])
-    residual = named.get(f"p{j}")  # a region starting inside block j takes its input too
-    while f"{kind}{j}" != spec.stop:
-        if kind == "p":
-            if j == spec.layer1.blocks:
-                return t  # layer1's output
-            residual, t, kind = t, ops.conv(f"layer1.{j}.conv1", t), "a"
+        t = named[spec.start]
+        stage, kind, j = spec.stages.at(spec.start)
+    residual = named.get(stage.input_name(j))  # a region starting inside block j takes its input
+    while _name(stage, kind, j) != spec.stop:
+        if kind == "in" and j == stage.blocks:  # the stage's output
+            if stage.index == len(tiled):
+                return t
+            stage, j = tiled[stage.index], 0
+        elif kind == "in":
+            residual, t, kind = t, ops.conv(f"{stage.name}.{j}.conv1", t), "conv"
         else:
-            t, kind, j = _block_rest(ops, spec.layer1, j, t, residual), "p", j + 1
+            t, kind, j = _block_rest(ops, stage, j, t, residual), "in", j + 1
     return t
 
 
-def _block_rest(ops, layer1: Layer1, j: int, a, p):
-    """Residual block j of layer1 from its first convolution's output `a` (its input `p`), as
+def _name(stage: Stage, kind: str, j: int) -> str:
+    return stage.input_name(j) if kind == "in" else stage.conv_name(j)
+
+
+def _block_rest(ops, stage: Stage, j: int, a, p):
+    """Residual block j of `stage` from its first convolution's output `a` (its input `p`), as
     torchvision's BasicBlock / Bottleneck forward runs it: out = norm(conv(...)), out +=
     identity (the projected input where the block has a downsample), ReLU."""
-    name = f"layer1.{j}"
+    name = f"{stage.name}.{j}"
     h = ops.conv(f"{name}.conv2", ops.norm(f"{name}.bn1", a, relu=True))
     last = f"{name}.bn2"
-    if layer1.bottleneck:
+    if stage.bottleneck:
         h, last = ops.conv(f"{name}.conv3", ops.norm(last, h, relu=True)), f"{name}.bn3"
     out = ops.norm(last, h)
-    if j == 0 and layer1.projection:
+    if stage.projects(j):
         p = ops.norm(f"{name}.downsample.1", ops.conv(f"{name}.downsample.0", p))
     return ops.relu(ops.add(out, p))
 
@@ -182,51 +265,65 @@ def _conv1(ops, block: int, d, named: dict):
         # (keeping the stem's output instead would hold it on the device through the untiled
         # levels: 562 MB at 4188 px, which is what a 4 GiB budget does not have)
         skip = ops.norm("bn1", ops.conv("conv1", named["x"]), relu=True)
-    elif skip == "l1":
-        skip = named["l1"]
+    elif skip is not None:
+        skip = named[skip]
     return ops.up_conv(f"block{block}.conv1", d, skip)
 
 
 # -- the regions of a tiling -------------------------------------------------------------------
 def region_specs(levels: int, keep: str, layer1: str = "whole",
-                 stage: Layer1 = RESNET34) -> list[RegionSpec]:
+                 stages: Stages = RESNET34) -> list[RegionSpec]:
     """The encoder's regions (levels >= 2) and the decoder regions, in the order they run.
-    `layer1` (levels=3): "whole" runs layer1 inside the stem's region, "blocks" one region per
-    residual block (its input p<j> kept), "convs" also cuts each block at its first
-    convolution's output a<j>. `stage`: the encoder's layer1 (blocks and their kind)."""
-    specs = _encoder_specs(levels, keep, layer1, stage) if levels >= 2 else []
+    `layer1` (levels >= 3) cuts each tiled residual stage: "whole" runs it inside one region
+    (layer1 inside the stem's), "blocks" one region per residual block (its input kept),
+    "convs" also cuts each block at its first convolution's output. At levels=4 layer1's output
+    `l1` is always kept: layer2 and decoder block 2 (its skip) read it. `stages`: the
+    encoder's first stages (blocks and their kind)."""
+    specs = _encoder_specs(levels, keep, layer1, stages) if levels >= 2 else []
     start = f"d{LAST_BLOCK + 1 - levels}"
+    skips = [(block, name) for block, name in SKIPS.items() if name != "f1"] + [(3, "x")]
     for stop in _cuts(levels, keep) + [None]:
         computed = _conv1_blocks(start, stop)
-        inputs = [start] + [name for block, name in ((2, "l1"), (3, "x")) if block in computed]
-        factors = [_factor(name, levels) for name in inputs]
+        inputs = [start] + [name for block, name in skips if block in computed]
+        factors = [_factor(name, levels, stages) for name in inputs]
         name = "top" if stop is None else _layer_of(stop, "conv")
-        specs.append(RegionSpec(name, tuple(inputs), tuple(factors), start, stop, stage))
+        specs.append(RegionSpec(name, tuple(inputs), tuple(factors), start, stop, stages))
         start = stop
     return specs
 
 
-def _encoder_specs(levels: int, keep: str, layer1: str, stage: Layer1) -> list[RegionSpec]:
+def _encoder_specs(levels: int, keep: str, layer1: str, stages: Stages) -> list[RegionSpec]:
     cuts = ["s"] if keep in ("bn", "half") else []
-    if levels >= 3 and layer1 != "whole":
-        for j in range(stage.blocks):
-            cuts += [f"p{j}", f"a{j}"] if layer1 == "convs" else [f"p{j}"]
+    for stage in stages.tiled(levels):
+        if stage.index > 1 and layer1 == "whole":
+            cuts.append(stage.input_name(0))  # the previous stage's output, a skip too
+        for j in range(stage.blocks if layer1 != "whole" else 0):
+            cuts += [stage.input_name(j)] + ([stage.conv_name(j)] if layer1 == "convs" else [])
     specs, start = [], "x"
     for stop in cuts + [None]:
-        inputs = (start,) if start[0] != "a" else (start, f"p{start[1:]}")  # + the residual
-        specs.append(RegionSpec(_encoder_name(start, stop), inputs,
-                                tuple(_factor(n, levels) for n in inputs), start, stop, stage))
+        inputs = (start,)
+        if start not in STEM_STARTS:
+            stage, kind, j = stages.at(start)
+            if kind == "conv":
+                inputs += (stage.input_name(j),)  # + the residual
+        specs.append(RegionSpec(_encoder_name(start, stop, stages), inputs,
+                                tuple(_factor(n, levels, stages) for n in inputs), start, stop,
+                                stages))
         start = stop
     return specs
 
 
-def _encoder_name(start: str, stop: str | None) -> str:
+def _encoder_name(start: str, stop: str | None, stages: Stages) -> str:
     if stop == "s":
         return "stem.conv1"
     if start in STEM_STARTS:
         return "stem"
-    block = f"layer1.{start[1:]}"
-    return f"{block}.conv1" if stop is not None and stop[0] == "a" else block
+    stage, kind, j = stages.at(start)
+    if stop is None or stop == STAGE_OUTPUTS[stage.index]:
+        if kind == "in" and j == 0:
+            return stage.name  # the whole stage
+    block = f"{stage.name}.{j}"
+    return f"{block}.conv1" if stop is not None and stop == stage.conv_name(j) else block
 
 
 def _cuts(levels: int, keep: str) -> list[str]:
@@ -260,11 +357,12 @@ def _conv1_blocks(start: str, stop: str | None) -> set[int]:
             if _position(start) < _position(f"z{b}") <= _position(stop)}
 
 
-def _factor(name: str, levels: int) -> int:
+def _factor(name: str, levels: int, stages: Stages = RESNET34) -> int:
     """An input's resolution in multiples of the coarse grid (1/2**levels)."""
-    log2_res = {"x": 0, "s": -1, "l1": -2}.get(name)  # log2 of the resolution to the input's
-    if name[0] in "pa":  # layer1's tensors, at 1/4 res
-        log2_res = -2
+    log2_res = {"x": 0, "s": -1}.get(name)  # log2 of the resolution to the input's
+    if log2_res is None and RegionSpec.encoder_tensor(name) or name == "l2":
+        stage, _kind, _j = stages.at(name)
+        log2_res = stage.log2_res(name)
     elif log2_res is None:
         block = int(name[1:])  # block i's input is at 1/2**(5-i), its output at 1/2**(4-i)
         log2_res = block - 5 if name[0] == "d" else block - 4
@@ -290,15 +388,15 @@ class Trace:
 class TraceOps:
     """`ops` for the walks: records the paths to every BatchNorm input and the norms' order."""
 
-    def __init__(self, layer1: Layer1):
-        self.layer1 = layer1
+    def __init__(self, stages: Stages):
+        self.stages = stages
         self.norm_paths: list[Path] = []
         self.modules: list[str] = []  # convolutions and BatchNorms, in the order first called
         self.norms: list[str] = []  # the BatchNorms alone, in the same order
 
     def conv(self, name: str, t: Trace) -> Trace:
         self._use(name)
-        return t.then(self.layer1.window(name))
+        return t.then(self.stages.window(name))
 
     def norm(self, name: str, t: Trace, relu: bool = False) -> Trace:
         self.norm_paths += t.paths()
@@ -339,7 +437,7 @@ class Traced:
 
 
 def trace(spec: RegionSpec, levels: int) -> Traced:
-    ops = TraceOps(spec.layer1)
+    ops = TraceOps(spec.stages)
     inputs = [Trace(f, [(f, ())]) for f in spec.factors]
     out = encoder_walk(ops, levels, spec, inputs) if spec.encoder \
         else decoder_walk(ops, spec, inputs)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from memstudy.errors import ConfigError
 from memstudy.network import ENCODERS, DEFAULT_ENCODER
-from memstudy.tiling.chain import LAYER1, Layer1, region_specs, trace
+from memstudy.tiling.chain import LAYER1, Stages, region_specs, trace
 from memstudy.tiling.geometry import halo
 
-LEVELS = (1, 2, 3)  # tiled levels implemented
+LEVELS = (1, 2, 3, 4)  # tiled levels implemented
 # kept boundaries besides the regions' inputs and output: the first convolution output (before
 # its BatchNorm) of no decoder block, of those with a skip, or of every tiled decoder block; or
 # every BatchNorm's input (the stem's convolution output and both of each block's convolutions);
@@ -25,10 +25,10 @@ NETWORK_LEVELS = 6  # full resolution and the five down-sampled grids (1/2 .. 1/
 def halos(levels: int, keep: str = "none", layer1: str = "whole",
           encoder: str = DEFAULT_ENCODER) -> dict[str, tuple[int, int]]:
     """(top, bottom) halo in coarse rows of each region tiled at `levels` with `keep`, for the
-    U-Net of `encoder` (its layer1's blocks set the halo at levels=3)."""
-    stage = Layer1.of(ENCODERS[encoder])
+    U-Net of `encoder` (its residual stages' blocks set the halo at levels 3 and 4)."""
+    stages = Stages.of(ENCODERS[encoder])
     return {spec.name: halo(trace(spec, levels).paths)
-            for spec in region_specs(levels, keep, layer1, stage)}
+            for spec in region_specs(levels, keep, layer1, stages)}
 
 
 def min_tile_rows(levels: int, keep: str = "none", layer1: str = "whole",
@@ -43,16 +43,16 @@ def check_levels(levels: int, what: str) -> None:
                           f"(full, 1/2 .. 1/32); tiled levels are counted from full resolution: "
                           f"use one of {list(LEVELS)}")
     if levels not in LEVELS:
-        raise ConfigError(f"{what}={levels} is not implemented (tiling 1/8 res and below would "
-                          f"tile layer2, whose 128 channels make tiles no cheaper than "
-                          f"checkpointing); use one of {list(LEVELS)}")
+        raise ConfigError(f"{what}={levels} is not implemented (tiling 1/16 res and below would "
+                          f"tile layer3, whose tensors are 1/256 of the image's pixels: never "
+                          f"the memory floor); use one of {list(LEVELS)}")
 
 
 def check_layer1(layer1: str, levels: int, what: str) -> None:
     if layer1 not in LAYER1:
         raise ConfigError(f"{what}={layer1!r} is not a way to cut layer1; use one of {list(LAYER1)}")
     if layer1 != "whole" and levels < 3:
-        raise ConfigError(f"{what}={layer1} cuts layer1, which only levels=3 tiles (levels="
+        raise ConfigError(f"{what}={layer1} cuts layer1, which only levels 3 and 4 tile (levels="
                           f"{levels}); set tile:levels=3 or {what}=whole")
 
 

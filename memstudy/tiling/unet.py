@@ -32,48 +32,51 @@ from torch import nn
 
 from memstudy.errors import ConfigError
 from memstudy.models.unet import up_conv
-from memstudy.tiling.chain import (LAST_BLOCK, Layer1, RegionSpec, decoder_walk, encoder_walk,
+from memstudy.tiling.chain import (CONV3, LAST_BLOCK, RegionSpec, Stages, decoder_walk, encoder_walk,
                                    region_specs, trace)
-from memstudy.tiling.geometry import halo, plan_tiles, split_rows
+from memstudy.tiling.geometry import Window, halo, plan_tiles, split_rows
 from memstudy.tiling.graphs import TileGraphs
 from memstudy.tiling.levels import check_keep, check_layer1, check_levels
 from memstudy.tiling.sweep import Region, TileRun, run_region
 
 
 # -- the model's parts by the names the walks use ----------------------------------------------
-def layer1_of(unet: nn.Module) -> Layer1:
-    """The model's first residual stage as the walks run it (from its encoder's description)."""
-    return Layer1.of(unet.encoder_spec)
+def stages_of(unet: nn.Module) -> Stages:
+    """The model's first residual stages as the walks run them (from its encoder's description)."""
+    return Stages.of(unet.encoder_spec)
 
 
 def named_modules(unet: nn.Module, levels: int) -> dict[str, nn.Module]:
     enc, blocks = unet.encoder, unet.decoder_blocks
     found = {"conv1": enc.conv1, "bn1": enc.bn1, "head": unet.head, "maxpool": enc.maxpool}
-    stage = layer1_of(unet)
-    for j in range(stage.blocks if levels >= 3 else 0):  # invertible may replace it otherwise
-        found.update({name: enc.get_submodule(name) for name in stage.block_modules(j)})
-    for i in range(2, LAST_BLOCK + 1):
+    for stage in stages_of(unet).tiled(levels):  # invertible may replace them otherwise
+        for j in range(stage.blocks):
+            found.update({name: enc.get_submodule(name) for name in stage.block_modules(j)})
+    for i in range(1, LAST_BLOCK + 1):
         block = blocks[i]
         found.update({f"block{i}.conv1": block.conv1[0], f"block{i}.bn1": block.conv1[1],
                       f"block{i}.conv2": block.conv2[0], f"block{i}.bn2": block.conv2[1]})
     return found
 
 
-def plain_layer1(unet: nn.Module) -> bool:
-    """layer1 is the encoder's own residual blocks, as levels=3 tiles them (invertible replaces
-    them with momentum blocks): each with the modules the walk names, and a projection
-    shortcut exactly where the walk expects one."""
+def plain_stages(unet: nn.Module, levels: int = 3) -> bool:
+    """The residual stages `levels` tiles are the encoder's own blocks, as the walks run them
+    (invertible replaces them with momentum blocks): each with the modules the walk names, and
+    a projection shortcut exactly where the walk expects one."""
+    if levels < 3:
+        return True
     if not hasattr(unet, "encoder_spec"):
         return False
-    stage, units = layer1_of(unet), list(unet.encoder.layer1)
-    if len(units) != stage.blocks:
-        return False
-    for j, unit in enumerate(units):
-        parts = [name.split(".", 2)[2] for name in stage.block_modules(j)]
-        if not all(_has(unit, part) for part in parts):
+    for stage in stages_of(unet).tiled(levels):
+        units = list(unet.encoder.get_submodule(stage.name))
+        if len(units) != stage.blocks:
             return False
-        if unit.downsample is not None and not (j == 0 and stage.projection):
-            return False
+        for j, unit in enumerate(units):
+            parts = [name.split(".", 2)[2] for name in stage.block_modules(j)]
+            if not all(_has(unit, part) for part in parts):
+                return False
+            if (unit.downsample is not None) != stage.projects(j):
+                return False
     return True
 
 
@@ -98,19 +101,20 @@ def check_model(unet: nn.Module, levels: int) -> None:
         problems.append("the decoder has a center block")
     convs = [f"block{i}.conv{k}" for i in range(LAST_BLOCK + 1 - levels, LAST_BLOCK + 1)
              for k in (1, 2)]
-    modules = named_modules(unet, levels) if levels < 3 or plain_layer1(unet) else None
-    if modules is None:
-        raise ConfigError(f"tile:levels=3 tiles layer1, which is not {unet.encoder_name}'s "
-                          "residual blocks here (invertible replaces them with momentum "
-                          "blocks); use tile:levels=2 or drop invertible")
+    if not plain_stages(unet, levels):
+        raise ConfigError(f"tile:levels={levels} tiles layer1{' and layer2' * (levels > 3)}, "
+                          f"which are not {unet.encoder_name}'s residual blocks here "
+                          "(invertible replaces them with momentum blocks); use tile:levels=2 "
+                          "or drop invertible")
+    modules = named_modules(unet, levels)
     for name in convs:  # the decoder's: up_conv splits their weights by input channel
-        problems += _conv_problems(name, modules[name], 3, groups=False)
-    if levels >= 3:
-        stage = layer1_of(unet)
+        problems += _conv_problems(name, modules[name], CONV3, groups=False)
+    stages = stages_of(unet)
+    for stage in stages.tiled(levels):
         for j in range(stage.blocks):
             for name in stage.block_modules(j):
                 if ".bn" not in name and not name.endswith("downsample.1"):
-                    problems += _conv_problems(name, modules[name], stage.window(name).kernel,
+                    problems += _conv_problems(name, modules[name], stages.window(name),
                                                groups=True)
     for i in range(LAST_BLOCK + 1 - levels, LAST_BLOCK + 1):
         block = blocks[i]
@@ -121,7 +125,7 @@ def check_model(unet: nn.Module, levels: int) -> None:
                 problems.append(f"decoder block {i} has attention")
     if not isinstance(head[1], nn.Identity) or head[0].kernel_size != (3, 3):
         problems.append("the segmentation head up-samples or is not a 3x3 convolution")
-    for spec in region_specs(levels, "none", stage=layer1_of(unet)):
+    for spec in region_specs(levels, "none", stages=stages):
         for name in trace(spec, levels).norms:
             bn = modules[name]
             if not (isinstance(bn, nn.BatchNorm2d) and bn.affine and bn.track_running_stats):
@@ -131,14 +135,15 @@ def check_model(unet: nn.Module, levels: int) -> None:
                           f"reproduce ({'; '.join(problems)}); drop tile")
 
 
-def _conv_problems(name: str, conv: nn.Module, kernel: int, groups: bool) -> list[str]:
-    """What keeps `conv` from being the stride-1 `kernel` x `kernel` zero-padded convolution the
-    walk's geometry assumes (grouped allowed where the walk calls the module itself)."""
-    expected = ((kernel, kernel), (1, 1), (kernel // 2, kernel // 2), (1, 1), "zeros")
+def _conv_problems(name: str, conv: nn.Module, window: Window, groups: bool) -> list[str]:
+    """What keeps `conv` from being the zero-padded convolution of `window` (kernel, stride,
+    padding along rows, the same along columns) the walk's geometry assumes (grouped allowed
+    where the walk calls the module itself)."""
+    k, stride, pad = window.kernel, window.stride, window.pad
+    expected = ((k, k), (stride, stride), (pad, pad), (1, 1), "zeros")
     if not isinstance(conv, nn.Conv2d) or (conv.kernel_size, conv.stride, conv.padding,
                                            conv.dilation, conv.padding_mode) != expected:
-        return [f"{name} is not a {kernel}x{kernel} / stride 1 / zero padding {kernel // 2} "
-                "convolution"]
+        return [f"{name} is not a {k}x{k} / stride {stride} / zero padding {pad} convolution"]
     if conv.groups != 1 and not groups:
         return [f"{name} is a grouped convolution"]
     return []
@@ -220,7 +225,8 @@ class TiledForward:
         check_model(unet, levels)
         self.unet, self.levels, self.tiles, self.rows, self.keep = unet, levels, tiles, rows, keep
         self.graphs = graphs
-        self.specs = region_specs(levels, keep, layer1, layer1_of(unet))
+        self.stages = stages_of(unet)
+        self.specs = region_specs(levels, keep, layer1, self.stages)
         self.stream = stream
         self.kept_on_host = self.host_outputs()  # fixed by the regions: derived once
         if stream:  # the untiled decoder blocks' concatenations are their largest tensors
@@ -252,19 +258,23 @@ class TiledForward:
 
     def boundary_shape(self, name: str) -> tuple[int, int]:
         """(channels, down-sampling) of a boundary the stream keeps on the host: the stem's
-        output `p0` and layer1's between its regions (`a<j>`: block j's first convolution's
-        output, `p<j>`: block j-1's output) at 1/4 resolution; the decoder's kept first
-        convolution outputs `z2` (1/4) and `z3` (1/2)."""
+        output `p0`, the tiled stages' between their regions (a block's first convolution's
+        output, or the previous block's output: layer1's at 1/4 resolution, layer2's at 1/8;
+        `l1`, layer1's output, is layer2's input and decoder block 2's skip at levels=4); the
+        decoder's kept first convolution outputs `z<i>` (1/2**(4-i))."""
         enc, blocks = self.unet.encoder, self.unet.decoder_blocks
-        if name in ("z2", "z3"):
+        if name[0] == "z":
             return blocks[int(name[1])].conv1[0].out_channels, 2 ** (4 - int(name[1]))
         if name == "p0":
             return enc.conv1.out_channels, 4
-        j = int(name[1:])
-        if name[0] == "a":
-            return enc.layer1[j].conv1.out_channels, 4
-        last = [m for m in enc.layer1[j - 1].modules() if isinstance(m, nn.BatchNorm2d)][-1]
-        return last.num_features, 4
+        stage, kind, j = self.stages.at(name)
+        down = 2 ** -stage.log2_res(name)
+        layer = enc.get_submodule(stage.name)
+        if kind == "conv":
+            return layer[j].conv1.out_channels, down
+        before = layer[j - 1] if j else enc.layer1[-1]  # l1: layer1's last block's output
+        last = [m for m in before.modules() if isinstance(m, nn.BatchNorm2d)][-1]
+        return last.num_features, down
 
     def plan(self, height: int) -> dict[str, list]:
         unit = 2 ** self.levels
@@ -311,12 +321,13 @@ class TiledForward:
         stages and decoder blocks `_untiled` calls): what `compile` compiles with tile, whose
         regions run through autograd Functions that TorchDynamo does not trace."""
         enc, first = self.unet.encoder, LAST_BLOCK + 1 - self.levels
-        stages = [enc.layer1] if self.levels < 3 else []
-        return stages + [enc.layer2, enc.layer3, enc.layer4] + list(self.unet.decoder.blocks[:first])
+        stages = [enc.layer1, enc.layer2][max(0, self.levels - 2):]
+        return stages + [enc.layer3, enc.layer4] + list(self.unet.decoder.blocks[:first])
 
     def _untiled(self, values: dict) -> dict[str, torch.Tensor]:
         """The levels below the tiled ones, through the modules' own forward: the first tiled
-        decoder block's input (and layer1's output, its skip at levels=3)."""
+        decoder block's input, and the skip the tiled decoder reads that the untiled levels
+        start from (layer1's output at levels=3, layer2's at 4)."""
         enc, dec = self.unet.encoder, self.unet.decoder
         f1 = None  # the stem's feature, decoder block 3's skip
         if self.levels >= 2:
@@ -324,12 +335,14 @@ class TiledForward:
         else:
             f1 = enc.relu(enc.bn1(enc.conv1(values["x"])))
             low = enc.maxpool(f1)
-        l1 = low if self.levels >= 3 else enc.layer1(low)
-        l2 = enc.layer2(l1)
+        l1 = low if self.levels == 3 else values.get("l1") if self.levels == 4 \
+            else enc.layer1(low)
+        l2 = low if self.levels >= 4 else enc.layer2(l1)
         l3 = enc.layer3(l2)
         d = dec.center(enc.layer4(l3))
         skips = [l3, l2, l1, f1]
         first = LAST_BLOCK + 1 - self.levels
         for i in range(first):  # the untiled decoder blocks, through their forward
             d = dec.blocks[i](d, *skips[i].shape[-2:], skip_connection=skips[i])
-        return {"l1": l1, f"d{first}": d} if self.levels >= 3 else {f"d{first}": d}
+        read = {3: {"l1": l1}, 4: {"l2": l2}}.get(self.levels, {})
+        return {**read, f"d{first}": d}

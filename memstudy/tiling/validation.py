@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from memstudy.tiling.levels import VALIDATION_LEVELS
-from memstudy.tiling.unet import TiledForward, plain_layer1
+from memstudy.tiling.unet import TiledForward, plain_stages
 
 
 # A technique whose per-block forward wrappers the tiled walk would bypass (it calls the
@@ -38,7 +38,7 @@ def find_unet(model: nn.Module) -> nn.Module | None:
 def validation_levels(unet: nn.Module) -> int:
     """VALIDATION_LEVELS, or 2 where layer1 is not what levels=3 tiles (invertible's momentum
     blocks): exact either way, the 1/4-res level then runs untiled."""
-    return VALIDATION_LEVELS if plain_layer1(unet) else 2
+    return VALIDATION_LEVELS if plain_stages(unet, VALIDATION_LEVELS) else 2
 
 
 @contextlib.contextmanager
