@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from memstudy.kernels.grad_stats import flatten, make_layout, segment_stats, segment_stats_reference
+from memstudy.techniques.tri_accel.grad_stats import (flatten, make_layout, segment_stats,
+                                                   segment_stats_reference)
 from memstudy.models import build_unet
-from memstudy.triaccel.control_units import unet_units
+from memstudy.techniques.tri_accel.control_units import unet_units
 from cuda_timing import median_ms  # benchmarks/ is on sys.path when run as a script
 
 

@@ -26,7 +26,7 @@ trial's tau_low / tau_high / tau_curv of that search (memstudy.tune.results.best
 paper's T4/P100 cards, emulated by memstudy's allocator cap), every step after one warm-up
 step measured so the peak covers the whole run. Writes triaccel.sqlite and triaccel.md
 into --out: peak memory, time per epoch, validation quality, the efficiency score
-(memstudy.triaccel.score.run_efficiency, defined in docs/triaccel.md), GPU energy of the
+(memstudy.techniques.tri_accel.score.run_efficiency, defined in docs/triaccel.md), GPU energy of the
 training loop (NVML) and the time to --target validation loss. Every row is first run once
 unrecorded (benchmarks/priming.py; --no-prime skips it), so that no row's energy and time to
 target carry the cuDNN autotuning of its shapes. Every row is printed and
@@ -43,13 +43,13 @@ from pathlib import Path
 import torch
 
 from memstudy.config import RunConfig
-from memstudy.kernels.grad_stats import flatten, make_layout, segment_stats
+from memstudy.techniques.tri_accel.grad_stats import flatten, make_layout, segment_stats
 from memstudy.models import build_unet
-from memstudy.triaccel.control_units import unet_units
-from memstudy.triaccel.flat_grads import FlatGradients
+from memstudy.techniques.tri_accel.control_units import unet_units
+from memstudy.techniques.tri_accel.flat_grads import FlatGradients
 from memstudy.runner import execute
 from memstudy.store import ResultsDB
-from memstudy.triaccel.score import run_efficiency
+from memstudy.techniques.tri_accel.score import run_efficiency
 from memstudy.bytesize import MB
 from priming import add_prime_option, prime, primed_note  # benchmarks/ is on sys.path as a script
 from cuda_timing import median_ms  # benchmarks/ is on sys.path when run as a script

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from memstudy.kernels.grad_stats import (flatten, make_layout, segment_stats,
-                                         segment_stats_reference)
+from memstudy.techniques.tri_accel.grad_stats import (flatten, make_layout, segment_stats,
+                                                   segment_stats_reference)
 from helpers import run_interpreted
 
 # one element, exactly one tile, one tile + 1, several tiles, a small tail

@@ -88,8 +88,8 @@ def test_missing_database_is_refused(tmp_path, capsys):
 
 def test_tri_accel_section_only_with_tri_accel_runs(db, make_config, tmp_path):
     from memstudy.runner import execute
-    from memstudy.triaccel import run_efficiency
-    from memstudy.triaccel.precision import LEVELS
+    from memstudy.techniques.tri_accel.score import run_efficiency
+    from memstudy.techniques.tri_accel.precision import LEVELS
 
     assert "Tri-Accel" not in report.build_report(db, "md")  # no tri_accel run: no section
     tri = ResultsDB(tmp_path / "tri.sqlite")

@@ -8,8 +8,8 @@ from torch import nn
 
 from memstudy.errors import ConfigError
 from memstudy.techniques.compose import build_pipeline, make_plan
-from memstudy.triaccel.curvature import power_iteration, unit_eigenvalues
-from memstudy.triaccel.precision import LEVELS, VarianceEMA, assign_precision
+from memstudy.techniques.tri_accel.curvature import power_iteration, unit_eigenvalues
+from memstudy.techniques.tri_accel.precision import LEVELS, VarianceEMA, assign_precision
 
 
 def _quadratic(eigs: list[float], seed: int = 0):
@@ -176,7 +176,7 @@ def test_bad_options_are_refused_by_name(make_config, technique, match):
 
 def test_efficiency_score_definition_and_stored_run(tmp_path):
     from memstudy.store import ResultsDB, RunRecord
-    from memstudy.triaccel.score import control_rows, efficiency_score, run_efficiency
+    from memstudy.techniques.tri_accel.score import control_rows, efficiency_score, run_efficiency
 
     # the paper's Table 1 (ResNet-18, FP32: 77.0 %, 21.0 s, 0.35 GB -> 10.48) comes out when
     # its "memory %" is 35, i.e. the VRAM in GB x 100; docs/triaccel.md notes this
@@ -202,7 +202,7 @@ def test_efficiency_score_definition_and_stored_run(tmp_path):
 def test_full_tri_accel_run_on_gpu(make_config, tmp_path):
     from memstudy.runner import execute
     from memstudy.store import ResultsDB
-    from memstudy.triaccel.score import control_rows
+    from memstudy.techniques.tri_accel.score import control_rows
 
     cfg = make_config(size=256, techniques=["tri_accel:t_ctrl=1:t_curv=2:power_iters=2:top_k=2"])
     cfg.train.device = "cuda"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from memstudy.runner import execute
 from memstudy.store import ResultsDB
-from memstudy.triaccel.elastic import ElasticBatch
+from memstudy.techniques.tri_accel.elastic import ElasticBatch
 
 
 def _ctrl(batch=2, **kw) -> ElasticBatch:

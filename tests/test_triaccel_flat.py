@@ -1,4 +1,5 @@
-"""Tri-Accel's flat gradient buffer (memstudy/triaccel/flat_grads.py) and the curvature budget."""
+"""Tri-Accel's flat gradient buffer (memstudy/techniques/tri_accel/flat_grads.py) and the curvature
+budget."""
 from __future__ import annotations
 
 
@@ -7,9 +8,10 @@ import torch
 from torch import nn
 
 from memstudy.errors import ConfigError
-from memstudy.kernels.grad_stats import flatten, make_layout, segment_stats, segment_stats_reference
-from memstudy.triaccel.controller import curvature_affordable
-from memstudy.triaccel.flat_grads import FlatGradients
+from memstudy.techniques.tri_accel.grad_stats import (flatten, make_layout, segment_stats,
+                                                   segment_stats_reference)
+from memstudy.techniques.tri_accel.controller import curvature_affordable
+from memstudy.techniques.tri_accel.flat_grads import FlatGradients
 from helpers import run_interpreted
 
 

@@ -1,9 +1,9 @@
 """The report's Tri-Accel section: efficiency scores and per-control-step series.
 
 Shown only when the database holds runs with the `tri_accel` technique. The score and the
-control rows come from memstudy.triaccel (one definition, docs/triaccel.md); that package
-needs torch, so it is imported here only once such runs are found: `import memstudy.report`
-and reports of databases without Tri-Accel runs stay torch-free.
+control rows come from memstudy.techniques.tri_accel.score (one definition, docs/triaccel.md);
+that module needs torch, so it is imported here only once such runs are found: `import
+memstudy.report` and reports of databases without Tri-Accel runs stay torch-free.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from memstudy.sizes import size_sort_key
 
 TECHNIQUE = "tri_accel"
 Rows = list[dict[str, Any]]
-# Network order of the units (memstudy.triaccel.control_units) for plots; unknown names go last.
+# Network order of the units (memstudy.techniques.tri_accel.control_units) for plots; unknown
+# names go last.
 UNIT_ORDER = ("stem", "encoder", "decoder", "head")
 
 
@@ -36,7 +37,8 @@ def efficiency(db) -> Rows:
     runs = [r for r in load_runs(db) if r["status"] == "ok"]
     if not any(is_tri(r) for r in runs):
         return []
-    from memstudy.triaccel import run_efficiency  # torch: only for Tri-Accel databases
+    # torch: only for Tri-Accel databases
+    from memstudy.techniques.tri_accel.score import run_efficiency
 
     rows = []
     for r in runs:
@@ -54,8 +56,8 @@ def control_series(db, run_id: int) -> dict[str, Any]:
     (precision tier names by index) and, per
     kind, {unit: [(step, value)]} for precision / lambda_max / lr, [(step, value)] for
     batch_size (every step), batch_next, mem_used_mb, mem_capacity_mb."""
-    from memstudy.triaccel import control_rows
-    from memstudy.triaccel.precision import LEVELS
+    from memstudy.techniques.tri_accel.score import control_rows
+    from memstudy.techniques.tri_accel.precision import LEVELS
 
     out: dict[str, Any] = {k: {} for k in ("precision", "lambda_max", "lr")}
     out["levels"] = list(LEVELS)

@@ -23,7 +23,7 @@ Spec (TOML, docs/tune.md):
 Fitness (minimised), a function of recorded figures only:
 - status ok, within the budget (or none): val_loss / train_loss: the last epoch's loss (rank 0),
   in [0, 1]; efficiency_score: minus Tri-Accel's efficiency score Q / (T * M) * 100
-  (memstudy/triaccel/score.py, [Tri-Accel] section 4.2), <= 0;
+  (memstudy/techniques/tri_accel/score.py, [Tri-Accel] section 4.2), <= 0;
 - status ok, peak memory above the budget: 1 + peak / budget (every such trial ranks behind
   every trial within the budget, smaller overshoots first); peak memory is the run's
   `alloc_peak_total_bytes` on a GPU, the largest `tensor_start_bytes + tensor_peak_bytes` of a
@@ -228,7 +228,7 @@ def trial_value(dim: tuple, searched: Any) -> Any:
 def recorded_figures(db, digest: str) -> dict[str, Any] | None:
     """The latest recorded run of this config: status, last-epoch losses (rank 0), peak bytes,
     Tri-Accel's efficiency score."""
-    from memstudy.triaccel.score import run_efficiency
+    from memstudy.techniques.tri_accel.score import run_efficiency
 
     runs = db.query("SELECT id, status FROM runs WHERE config_hash = ? ORDER BY id DESC LIMIT 1",
                     (digest,))

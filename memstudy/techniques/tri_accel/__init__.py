@@ -75,7 +75,7 @@ def _check_numbers(o: Options) -> None:
 
 
 def apply(opts: Options, build: Build) -> None:
-    from memstudy.triaccel.controller import TriAccelController
+    from memstudy.techniques.tri_accel.controller import TriAccelController
 
     controller = TriAccelController(opts, build)
     build.notes["tri_accel_units"] = [u.name for u in controller.units]

@@ -18,14 +18,15 @@ from typing import Any
 
 import torch
 
-from memstudy.kernels.grad_stats import flatten, make_layout, segment_stats, segment_stats_reference
+from memstudy.techniques.tri_accel.grad_stats import (flatten, make_layout, segment_stats,
+                                                   segment_stats_reference)
 from memstudy.runtime import StepInfo
-from memstudy.triaccel.curvature import unit_eigenvalues
-from memstudy.triaccel.elastic import CudaMemory, ElasticBatch, MeterMemory
-from memstudy.triaccel.flat_grads import FlatGradients
-from memstudy.triaccel.precision import (LEVELS, UnitPrecision, VarianceEMA, assign_precision,
-                                         float_output)
-from memstudy.triaccel.control_units import unet_units
+from memstudy.techniques.tri_accel.curvature import unit_eigenvalues
+from memstudy.techniques.tri_accel.elastic import CudaMemory, ElasticBatch, MeterMemory
+from memstudy.techniques.tri_accel.flat_grads import FlatGradients
+from memstudy.techniques.tri_accel.precision import (LEVELS, UnitPrecision, VarianceEMA,
+                                                   assign_precision, float_output)
+from memstudy.techniques.tri_accel.control_units import unet_units
 from memstudy.tiling.validation import UNTILED_REASON
 
 

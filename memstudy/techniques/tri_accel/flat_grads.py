@@ -1,6 +1,6 @@
 """Gradients as views into one flat buffer, so Tri-Accel's per-unit statistics read them in place.
 
-Why: the fused statistics kernel (memstudy/kernels/grad_stats.py) needs every unit's gradients
+Why: the fused statistics kernel (grad_stats.py, beside this file) needs every unit's gradients
 end to end in one buffer. Gathering them with `torch.cat` each step copied all 24.4 M gradient
 elements (98 MB) and made the fused path slower end to end than a loop of reductions (H200:
 0.59 ms vs 0.46 ms; the kernel alone 0.09 ms). Here every parameter's `.grad` *is* a view into

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from memstudy.triaccel.control_units import Unit
+from memstudy.techniques.tri_accel.control_units import Unit
 
 LEVELS = ("fp16", "bf16", "fp32")  # tier order, low to high; the value stored is the index
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

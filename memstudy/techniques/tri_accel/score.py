@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from memstudy.store import ResultsDB
-from memstudy.triaccel.precision import LEVELS
+from memstudy.techniques.tri_accel.precision import LEVELS
 
 
 def efficiency_score(quality_pct: float, time_per_epoch_s: float, memory_pct: float) -> float:
