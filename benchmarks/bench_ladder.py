@@ -49,9 +49,10 @@ LADDER_SETS = f"{BEST};{BEST_LEVELS3}"
 NATIVE_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,tile:4:keep=all,"
               "allocator:expandable_segments=true")
 # The 8 GiB set with its tiled-only boundaries in host memory (tile:stream; docs/techniques/
-# tile.md, "Streaming boundaries"), for sizes where they no longer fit beside the untiled levels
+# tile.md, "Streaming boundaries"), down to the 1/8-res level (levels=4: layer2 tiled too), for
+# sizes where they no longer fit beside the untiled levels
 STREAM_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
-              "tile:16:levels=3:keep=conv1:layer1=convs:stream=true,"
+              "tile:16:levels=4:keep=conv1:layer1=convs:stream=true,"
               "allocator:expandable_segments=true")
 # The 2 GiB rung (docs/budget.md): the streaming set with narrower strips and Adam's moments in
 # host memory, so the device holds the parameters, the untiled levels and one strip's work
