@@ -96,7 +96,7 @@ def full_float32():
 
 @pytest.mark.multigpu
 def test_in_process_model_parallel_on_two_gpus_equals_unsplit(full_float32):
-    from memstudy.distributed.split import LocalSplitUNet
+    from memstudy.techniques.mp.split import LocalSplitUNet
     from memstudy.models import build_unet
 
     ref, split = build_unet(seed=0).cuda(0), build_unet(seed=0)

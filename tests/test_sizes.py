@@ -94,7 +94,7 @@ def test_real_network_output_has_the_input_size():
 
 
 def test_local_split_pads_and_crops_as_the_model_does():
-    from memstudy.distributed.split import LocalSplitUNet
+    from memstudy.techniques.mp.split import LocalSplitUNet
 
     model = build_unet().eval()
     x = torch.rand(1, 1, 200, 296)

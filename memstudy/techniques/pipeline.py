@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from memstudy.distributed import context, p2p
-from memstudy.distributed.split import check_split_size
+from memstudy.techniques.mp.split import check_split_size
 from memstudy.lr_schedule import add_scheduler, total_steps
 from memstudy.errors import ConfigError
 from memstudy.techniques import register

@@ -20,8 +20,8 @@ import torch
 
 from memstudy.distributed import context, p2p
 from memstudy.lr_schedule import add_scheduler, total_steps
-from memstudy.distributed.split import (DecoderHalf, EncoderHalf, LocalSplitUNet, P2PHalf,
-                                        check_split_size)
+from memstudy.techniques.mp.split import (DecoderHalf, EncoderHalf, LocalSplitUNet, P2PHalf,
+                                          check_split_size)
 from memstudy.errors import ConfigError
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
