@@ -8,6 +8,9 @@ regions is 1/2**levels of the input):
   stem's) is recomputed per tile from the image with the stem's statistics.
 - levels=3: also layer1 (inside region "stem") and decoder block 2 (skip: layer1's output, a
   kept boundary that layer2 needs anyway).
+- levels=4: also layer2 (its strided block 0 and projection included) and decoder block 1
+  (skip: layer2's output, the untiled levels' input); layer1's output is then a kept boundary
+  between tiled regions, read by layer2's first region and by decoder block 2.
 `keep` chooses the boundaries between decoder regions: "none" runs all tiled decoder blocks as
 one region "top" (fewest full-size tensors; a region with K BatchNorms costs K + 1 sweeps),
 "conv1" also keeps each skip block's first convolution output before its BatchNorm (one more
@@ -15,7 +18,7 @@ tensor of that level, far fewer recomputed convolutions: the concatenating convo
 tiled levels' most expensive ones); "all", "half" and "bn" keep more (docs/techniques/tile.md).
 memstudy/tiling/chain.py writes the regions once, for the tile bodies here and for their halos.
 
-Everything else (layer1 or layer2 down, the untiled decoder blocks) runs as usual, through the
+Everything else (layer1, layer2 or layer3 down, the untiled decoder blocks) runs as usual, through the
 modules' own forward, so checkpoint / invertible / offload / amp act on it unchanged. The walks
 follow smp 0.6's ResNetEncoder.forward, UnetDecoderBlock.forward (nearest up-sampling by 2,
 concatenation with the skip, attention (identity), two Conv2dReLU = conv, BatchNorm, ReLU),
