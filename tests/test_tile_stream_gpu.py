@@ -109,3 +109,18 @@ def test_a_streamed_run_keeps_its_batches_on_the_host(make_config):
             x, y = x.cuda(), y.cuda()
         losses.append(build.runtime.forward(build.model, x, y).item())
     assert abs(losses[1] - losses[0]) <= 1e-2 * abs(losses[0])
+
+
+def test_a_host_validation_batch_is_tiled_with_host_boundaries():
+    """validation_forward of a batch in pinned host memory (tile:stream's batches) tiles down to
+    1/8 res with host boundaries, says so, and gives the untiled device forward's output."""
+    from memstudy.tiling.validation import validation_forward
+
+    model = build_unet(seed=0).to("cuda", torch.float64).eval()
+    x = torch.rand(1, 1, 512, 384, generator=torch.Generator().manual_seed(4),
+                   dtype=torch.float64).pin_memory()
+    with torch.no_grad():
+        plain, _ = validation_forward(model, x.cuda(), 0)
+        streamed, how = validation_forward(model, x, 128)
+    assert how == "tiled: levels=4, rows=128, boundaries in host memory"
+    assert ((streamed - plain).norm() / plain.norm()).item() < 1e-10

@@ -224,8 +224,7 @@ def test_statistics_gradients_matter():
     assert error > 1e3 * TOL[torch.float64]
 
 
-@pytest.mark.parametrize("rows", [32, 96])
-def test_tiled_eval_forward_equals_untiled(rows):
+def _eval_model():
     model = build_unet(seed=0).double()
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():  # running statistics unlike the batch's, so normalisation matters
@@ -233,7 +232,28 @@ def test_tiled_eval_forward_equals_untiled(rows):
             if isinstance(m, torch.nn.BatchNorm2d):
                 m.running_mean.uniform_(-0.5, 0.5, generator=gen)
                 m.running_var.uniform_(0.5, 2.0, generator=gen)
-    model.eval()
+    return model.eval()
+
+
+def test_streamed_eval_forward_equals_untiled():
+    """A validation batch in host memory (tile:stream) is tiled down to 1/8 res with its
+    boundaries on the host (validation.streamed_levels, forward_padded_as(stream=True))."""
+    from memstudy.tiling.validation import forward_padded_as, streamed_levels
+
+    model = _eval_model()
+    x, _ = _batch(270, 200, torch.float64)
+    assert streamed_levels(model) == 4
+    with torch.no_grad():
+        plain = model(x)
+        with forward_padded_as(model, 64, streamed_levels(model), stream=True):
+            assert model.forward_padded.kept_on_host == {"l1"}  # layer2 and block 2 read it
+            tiled = model(x)
+    assert ((tiled - plain).norm() / plain.norm()).item() < TOL[torch.float64]
+
+
+@pytest.mark.parametrize("rows", [32, 96])
+def test_tiled_eval_forward_equals_untiled(rows):
+    model = _eval_model()
     x, _ = _batch(270, 200, torch.float64)
     with torch.no_grad():
         tiled, how = validation_forward(model, x, rows)

@@ -19,6 +19,7 @@ LEVELS = (1, 2, 3, 4)  # tiled levels implemented
 # or every one but the full-resolution block's second convolution output (chain._cuts)
 KEEP = ("none", "conv1", "all", "half", "bn")
 VALIDATION_LEVELS = 3  # what the tiled validation forward tiles (1/4 res included: 8192 px)
+STREAM_VALIDATION_LEVELS = 4  # ... of a batch in host memory (tile:stream: 16384 px)
 NETWORK_LEVELS = 6  # full resolution and the five down-sampled grids (1/2 .. 1/32)
 
 

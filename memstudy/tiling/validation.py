@@ -13,7 +13,7 @@ import contextlib
 import torch
 from torch import nn
 
-from memstudy.tiling.levels import VALIDATION_LEVELS
+from memstudy.tiling.levels import STREAM_VALIDATION_LEVELS, VALIDATION_LEVELS
 from memstudy.tiling.unet import TiledForward, plain_stages
 
 
@@ -41,15 +41,24 @@ def validation_levels(unet: nn.Module) -> int:
     return VALIDATION_LEVELS if plain_stages(unet, VALIDATION_LEVELS) else 2
 
 
+def streamed_levels(unet: nn.Module) -> int:
+    """The levels a validation batch in host memory (tile:stream) is tiled over: down to 1/8
+    res where the encoder's stages are the walks' (4), so that the untiled levels' input is
+    layer2's output, as in a streamed training step at the largest sizes."""
+    return STREAM_VALIDATION_LEVELS if plain_stages(unet, STREAM_VALIDATION_LEVELS) else \
+        validation_levels(unet)
+
+
 @contextlib.contextmanager
-def forward_padded_as(unet: nn.Module, rows: int, levels: int = VALIDATION_LEVELS):
-    """Within: `unet`'s forward_padded is the tiled one over `levels` (rows > 0) or the untiled
-    one (0)."""
+def forward_padded_as(unet: nn.Module, rows: int, levels: int = VALIDATION_LEVELS,
+                      stream: bool = False):
+    """Within: `unet`'s forward_padded is the tiled one over `levels` (rows > 0; `stream`: its
+    boundaries in host memory) or the untiled one (0)."""
     had = "forward_padded" in vars(unet)
     previous = vars(unet).get("forward_padded")
     # keep="none": in eval mode there are no statistics sweeps to save, only boundaries to hold
-    unet.forward_padded = (TiledForward(unet, levels, rows=rows, keep="none") if rows
-                           else type(unet).forward_padded.__get__(unet))
+    unet.forward_padded = (TiledForward(unet, levels, rows=rows, keep="none", stream=stream)
+                           if rows else type(unet).forward_padded.__get__(unet))
     try:
         yield
     finally:
@@ -65,13 +74,16 @@ def validation_forward(model: nn.Module, x: torch.Tensor, rows: int) -> tuple[to
     if unet is None:
         return model(x), ("untiled (the model is not the whole U-Net: split across devices or "
                           "stages, or a model.factory network)")
-    levels = validation_levels(unet)
+    device = next(unet.parameters()).device
+    streamed = x.device != device  # a batch kept in host memory (tile:stream)
+    levels = streamed_levels(unet) if streamed else validation_levels(unet)
     reason = getattr(unet, UNTILED_REASON, None) if rows else None
     rows = 0 if reason else rows
-    if not rows:  # a batch kept in host memory (tile:stream) goes whole to the untiled forward
-        x = x.to(next(unet.parameters()).device, non_blocking=True)
-    with forward_padded_as(unet, rows, levels):
+    if not rows:  # the untiled forward reads the batch whole on the device
+        x = x.to(device, non_blocking=True)
+    with forward_padded_as(unet, rows, levels, stream=streamed):
         out = unet(x)  # wrappers bypassed: an eval forward needs no DDP sync nor compilation
     untiled = f"untiled ({reason or 'val_tile_rows=0'})"
-    how = f"tiled: levels={levels}, rows={rows}" if rows else untiled
+    host = ", boundaries in host memory" if streamed else ""
+    how = f"tiled: levels={levels}, rows={rows}{host}" if rows else untiled
     return out, how
