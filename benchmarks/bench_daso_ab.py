@@ -1,6 +1,6 @@
 """DASO and AB training against dp on two GPUs (issue 15, parts 3 and 4).
 
-Each variant is one recorded distributed run (world_size 2, memstudy.launch.run_distributed)
+Each variant is one recorded distributed run (world_size 2, memstudy.launch_ranks.run_distributed)
 with the same seed, data and steps: `dp`, `daso` (2 emulated nodes of 1 GPU: node_size=1, so
 every step's gradient stays on its GPU and the parameters cross once every B steps) and
 `dp + ab`. Writes --out/daso_ab.sqlite and --out/daso_ab.md: training time per epoch after the first (rank 0),
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from memstudy.config import RunConfig
-from memstudy.launch import run_distributed
+from memstudy.launch_ranks import run_distributed
 from memstudy.console import eprint  # a module-level function: spawn pickles it
 
 

@@ -84,7 +84,7 @@ def beside_counts(runs: list[dict]) -> dict[int, int]:
 
 
 def trained(runs: list[dict]) -> list[dict]:
-    """The finished runs that trained: the recorded flag (runs.trained, memstudy.trained)."""
+    """The finished runs that trained: the recorded flag (runs.trained, memstudy.did_train)."""
     return [r for r in runs if r["status"] == "ok" and not did_not_train(r)]
 
 

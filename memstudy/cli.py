@@ -16,7 +16,7 @@ from memstudy.techniques import check_early, parse_techniques
 from memstudy.sizes import check_input_fits, parse_size
 from memstudy.store import RANK_MAX, RANK_MEAN, ResultsDB, check_writable, default_db_path
 from memstudy.text_table import phase_table
-from memstudy.trained import describe, loss_ranges
+from memstudy.did_train import describe, loss_ranges
 from memstudy.bytesize import mb
 
 
@@ -68,7 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     checked = check_early(cfg)
     check_input_fits(cfg.train.image_size, cfg.train.batch_size)  # refused, never recorded
     check_writable(args.db)  # before anything trains: a run that cannot be stored is lost
-    from memstudy.launch import launched_by_torchrun, run_distributed
+    from memstudy.launch_ranks import launched_by_torchrun, run_distributed
     from memstudy.runner import execute
 
     if cfg.world_size > 1 or launched_by_torchrun():  # docs/distributed.md
@@ -86,7 +86,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def not_trained_reason(rec) -> str:
-    """'' unless the run did not train: then why it is flagged (memstudy.trained)."""
+    """'' unless the run did not train: then why it is flagged (memstudy.did_train)."""
     return describe(rec.trained, loss_ranges(rec.series))
 
 
@@ -151,7 +151,7 @@ def cmd_techniques(args: argparse.Namespace) -> int:
 def cmd_grid(args: argparse.Namespace) -> int:
     from memstudy.grid import cell_table, expand, load_spec, plan_outcomes, run_grid
     from memstudy.grid.claims import parse_retry
-    from memstudy.grid.run import check_gpu_needs, check_sharing
+    from memstudy.grid.scheduler import check_gpu_needs, check_sharing
 
     retry = parse_retry(args.retry)
     spec = load_spec(args.spec)

@@ -30,7 +30,7 @@ DEVICES = ("auto", "cpu", "cuda")
 VAL_PRECISIONS = ("run", "float32")  # train.val_precision
 TASKS = ("enhance", "segment")  # train.task (docs/segmentation.md)
 # A process setting, not a run setting: a grid cell that runs beside others gets its share of
-# the host's CPU threads through this variable (grid.run.cell_threads, runner.execute)
+# the host's CPU threads through this variable (grid.scheduler.cell_threads, runner.execute)
 CELL_THREADS_ENV = "MEMSTUDY_CELL_THREADS"
 # Settings added after results were recorded, left out of the config hash at their default
 # (what every earlier run did), so recorded grids, maxres probes and tune trials still resume.

@@ -3,7 +3,7 @@
 Refusals (bad config, impossible technique combination, unreadable data) happen before
 anything is built and record nothing. Once training starts, every outcome is recorded in
 one transaction: ok, oom (with its phase), diverged (NaN / inf loss) or error, and whether the
-training loss ever moved (`trained`, memstudy.trained: a run whose loss is pinned at
+training loss ever moved (`trained`, memstudy.did_train: a run whose loss is pinned at
 MS-SSIM's clamp is ok as a measurement but did not train).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from memstudy.quality import min_side
 from memstudy.store import ResultsDB, RunRecord
 from memstudy.techniques import Checked, applied, parse_techniques, resolve_run_settings
 from memstudy.techniques.compose import build_pipeline, make_plan, prepare_process
-from memstudy.trained import judge, loss_ranges
+from memstudy.did_train import judge, loss_ranges
 from memstudy.train import TrainState, check_measurable, train
 
 
@@ -132,7 +132,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
     if build is not None:  # rows recorded by techniques (e.g. tri_accel's control steps)
         record.series = [*record.series, *(r for src in build.runtime.series_sources for r in src())]
     record = gather_record(record)  # distributed: rank 0 merges every rank's measurements
-    # from the losses the loop read anyway: no sync was added to any step (memstudy.trained)
+    # from the losses the loop read anyway: no sync was added to any step (memstudy.did_train)
     record.trained = judge(loss_ranges(record.series).values())
     if db is not None:
         db.record(record)
@@ -177,7 +177,7 @@ def _recap_budget_after_warmup(build, env: dict) -> None:
 
 def share_cpu_threads() -> None:
     """A grid cell beside others takes the CPU threads the grid gave it (CELL_THREADS_ENV:
-    grid.run.cell_threads); elsewhere torch's default stays."""
+    grid.scheduler.cell_threads); elsewhere torch's default stays."""
     text = os.environ.get(CELL_THREADS_ENV)
     if text is None:
         return

@@ -57,7 +57,7 @@ CREATE TABLE IF NOT EXISTS runs (
     finished_at REAL NOT NULL,
     config_json TEXT NOT NULL,
     env_json TEXT NOT NULL,
-    trained INTEGER,              -- 0: did not train, 1: trained, NULL: not judged (memstudy.trained)
+    trained INTEGER,              -- 0: did not train, 1: trained, NULL: not judged (memstudy.did_train)
     run_uid TEXT                  -- random id of the run, kept by merges (NULL: older runs)
 );
 CREATE INDEX IF NOT EXISTS runs_hash ON runs (config_hash);
@@ -166,7 +166,7 @@ class RunRecord:
     failed_phase: str | None = None
     error: str | None = None
     run_uid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    trained: bool | None = None  # memstudy.trained.judge over the run's loss series
+    trained: bool | None = None  # memstudy.did_train.judge over the run's loss series
     metrics: list[tuple[int, str, str, float]] = field(default_factory=list)  # rank, phase, name, value
     epochs: list[dict[str, Any]] = field(default_factory=list)  # rank, epoch, steps, losses, time_s
     series: list[tuple[int, int, str, float]] = field(default_factory=list)  # rank, step, name, value

@@ -78,7 +78,7 @@ def test_impossible_combinations_are_refused_by_name(techniques, kwargs, words):
 
 
 def test_world_size_without_a_distributed_technique_is_refused():
-    from memstudy.launch import group_backend
+    from memstudy.launch_ranks import group_backend
 
     cfg = small_config(techniques=[], batch_size=2, warmup_steps=2)
     cfg.world_size = 2

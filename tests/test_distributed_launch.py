@@ -62,7 +62,7 @@ def test_spawned_run_refuses_a_progress_callback_it_cannot_send(tmp_path, monkey
     """spawn pickles the progress callback; a lambda (bench_daso_ab's, 2 x H200, 2026-11-23)
     is refused by name before any process starts."""
     from memstudy.config import RunConfig
-    from memstudy.launch import run_distributed
+    from memstudy.launch_ranks import run_distributed
 
     cfg = RunConfig(techniques=["dp"], world_size=2)
     cfg.train.device, cfg.train.batch_size = "cpu", 2

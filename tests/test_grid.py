@@ -289,7 +289,7 @@ def test_cells_per_gpu_refuses_budgets_and_other_launchers(tmp_path, capsys):
 
 
 def test_cells_side_by_side_share_the_hosts_cpu_threads(monkeypatch):
-    from memstudy.grid.run import cell_threads
+    from memstudy.grid.scheduler import cell_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cell_threads(1, cores=16) is None  # one cell at a time keeps torch's default
@@ -377,7 +377,7 @@ def test_gpu_slots_give_disjoint_sets_and_a_wide_cell_waits():
 
 def test_scheduler_never_overlaps_gpus(monkeypatch, tmp_path):
     """Fake children on fake GPU ids: a 2-GPU cell and two 1-GPU cells on 2 GPUs."""
-    from memstudy.grid import Cell, GpuSlots, GridResult, run as grid_run
+    from memstudy.grid import Cell, GpuSlots, GridResult, scheduler
 
     held: dict[str, int] = {}
     log: list[tuple[int, str | None]] = []
@@ -409,9 +409,9 @@ def test_scheduler_never_overlaps_gpus(monkeypatch, tmp_path):
 
     cells = [Cell(index=i + 1, config=small_config(seed=i), hash=f"h{i}", gpus=n)
              for i, n in enumerate([1, 2, 1])]
-    monkeypatch.setattr(grid_run, "CellProcess", FakeChild)
+    monkeypatch.setattr(scheduler, "CellProcess", FakeChild)
     result = GridResult(cells)
-    grid_run._Scheduler(result, cells, GpuSlots(["3", "5"]), ResultsDB(tmp_path / "r.sqlite"),
+    scheduler._Scheduler(result, cells, GpuSlots(["3", "5"]), ResultsDB(tmp_path / "r.sqlite"),
                         None, lambda _m: None, 0.0, Runner.this_process()).run()
     assert result.outcomes == {1: "ok", 2: "ok", 3: "ok"}
     assert log == [(0, "3"), (1, "3,5"), (2, "3")]  # in order; the wide cell waited for both
@@ -420,7 +420,7 @@ def test_scheduler_never_overlaps_gpus(monkeypatch, tmp_path):
 def test_scheduler_seats_cells_per_gpu_and_shares_the_cpu(monkeypatch, tmp_path):
     """Fake children on 2 GPUs with 2 seats each: four 1-GPU cells start at once, two per GPU,
     the fifth waits for a seat; every GPU cell gets a quarter of the host's cores."""
-    from memstudy.grid import Cell, GpuSlots, GridResult, run as grid_run
+    from memstudy.grid import Cell, GpuSlots, GridResult, scheduler
 
     running: dict[str, int] = {}  # GPU -> cells on it now
     most: dict[str, int] = {}
@@ -450,11 +450,11 @@ def test_scheduler_seats_cells_per_gpu_and_shares_the_cpu(monkeypatch, tmp_path)
     from memstudy.grid.claims import Runner
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(grid_run.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(scheduler.os, "cpu_count", lambda: 16)
     cells = [Cell(index=i + 1, config=small_config(seed=i), hash=f"h{i}", gpus=1) for i in range(5)]
-    monkeypatch.setattr(grid_run, "CellProcess", FakeChild)
+    monkeypatch.setattr(scheduler, "CellProcess", FakeChild)
     result = GridResult(cells)
-    grid_run._Scheduler(result, cells, GpuSlots(["0", "1"], per_gpu=2),
+    scheduler._Scheduler(result, cells, GpuSlots(["0", "1"], per_gpu=2),
                         ResultsDB(tmp_path / "r.sqlite"), None, lambda _m: None, 0.0,
                         Runner.this_process()).run()
     assert set(result.outcomes.values()) == {"ok"} and len(result.outcomes) == 5
@@ -464,7 +464,7 @@ def test_scheduler_seats_cells_per_gpu_and_shares_the_cpu(monkeypatch, tmp_path)
 def test_world_size_cells_need_that_many_gpus(tmp_path):
     from memstudy.grid import gpus_needed
     from memstudy.grid.spec import Cell
-    from memstudy.grid.run import too_few_gpus
+    from memstudy.grid.scheduler import too_few_gpus
     from conftest import small_config
 
     cfg = small_config(techniques=["dp"], batch_size=2, warmup_steps=2)

@@ -1,4 +1,4 @@
-"""runs.trained (memstudy.trained): a run whose training loss never moved is recorded, shown and
+"""runs.trained (memstudy.did_train): a run whose training loss never moved is recorded, shown and
 reported as one that did not train; a run that trains is not flagged; older databases still
 open and are judged from their loss series.
 
@@ -20,7 +20,7 @@ from memstudy.grid.spec import Cell
 from memstudy.report import build_report, decisions, load_runs, losses, phase_memory
 from memstudy.runner import execute, seed_everything
 from memstudy.store import ResultsDB, RunRecord, merge_databases
-from memstudy.trained import judge, loss_ranges
+from memstudy.did_train import judge, loss_ranges
 
 DEAD_SEED, LIVE_SEED = 1, 0  # at 192 px, 2 phantoms (found by running seeds 0-11: 1, 5, 9, 11 are dead)
 

@@ -14,7 +14,7 @@ timeout is recorded as status 'error', failed_phase 'timeout'. docs/grid.md has 
 """
 from memstudy.grid.cells import (CRASHED, KILLED, CellProcess, cells_folder, record_timeout,
                                  Watch, run_isolated, to_toml, write_cell_config)
-from memstudy.grid.run import GpuSlots, GridResult, run_grid, visible_gpus
+from memstudy.grid.scheduler import GpuSlots, GridResult, run_grid, visible_gpus
 from memstudy.grid.spec import (Cell, GridSpec, cell_config, cell_table, config_hash, expand,
                                 gpus_needed, load_spec, plan_outcomes, product_sets,
                                 spec_from_dict)

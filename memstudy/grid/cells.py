@@ -154,7 +154,7 @@ class CellProcess:
 
     def finish(self, timed_out: bool = False, again: str | None = None) -> str:
         """The cell's outcome: its recorded status (', did not train' added for a run whose loss
-        never moved: memstudy.trained), 'timeout' (recorded here), or killed/crashed.
+        never moved: memstudy.did_train), 'timeout' (recorded here), or killed/crashed.
         A recorded run also leaves where the cell's time went in `self.times`."""
         ended = time.time()
         db = ResultsDB(self.db_path)

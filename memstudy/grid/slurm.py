@@ -17,7 +17,7 @@ is still unrecorded. Killing the launcher therefore loses no finished cell. On C
 launcher cancels the jobs it started (their cells leave nothing, as on one host); a job the
 scheduler keeps running is merged by the next rerun if it finished by then.
 
-The trade-off against the local scheduler (grid.run): a job's queueing and start-up (seconds
+The trade-off against the local scheduler (grid.scheduler): a job's queueing and start-up (seconds
 on a quiet cluster, hours on a busy one) is paid per cell, in exchange for as many GPUs at
 once as the cluster grants. Cells are identified by config hash, as everywhere.
 """
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from memstudy.errors import ConfigError
 from memstudy.grid.cells import CRASHED, KILLED, cells_folder, record_timeout, write_cell_config
-from memstudy.grid.run import GridResult
+from memstudy.grid.scheduler import GridResult
 from memstudy.grid.spec import Cell, GridSpec, expand
 from memstudy.store import ResultsDB, merge_databases, describe_outcome
 
@@ -41,7 +41,7 @@ def run_cell(config_toml: str, cell_db: str) -> str:
     """The job's body, in the job's own process: what `memstudy --db CELL_DB run --config
     CELL.toml` does (one process, or one per rank for world_size > 1); returns the status."""
     from memstudy.config import load_toml
-    from memstudy.launch import run_distributed
+    from memstudy.launch_ranks import run_distributed
     from memstudy.runner import execute
 
     config = load_toml(config_toml)

@@ -10,7 +10,7 @@ w1 + w2 + w3:
      live tensor bytes on the CPU), the figure a memory budget caps
   E  run/energy_j           NVML energy of the training loop (absent on the CPU)
 A run missing a figure whose weight is not zero gets no C (it is not silently dropped from
-the objective); a run that did not train (memstudy.trained) gets no row. Weights come from `memstudy report --cost-weights w1,w2,w3` (default 1,1,1).
+the objective); a run that did not train (memstudy.did_train) gets no row. Weights come from `memstudy report --cost-weights w1,w2,w3` (default 1,1,1).
 
 Accumulation (eq. 9): k_optimal = argmax_k Throughput(k) / Memory(k) among measured runs of
 one effective batch B_eff = batch_size x k (same size, device and other techniques);

@@ -12,7 +12,7 @@ from typing import Any
 from memstudy.errors import ConfigError
 from memstudy.phases import TRAIN_PHASES  # noqa: F401 (reports import it from here)
 from memstudy.store import PROBE_LABEL, RANK_MAX, RANK_MEAN, ResultsDB  # noqa: F401
-from memstudy.trained import judge
+from memstudy.did_train import judge
 
 
 def open_db(db: str | Path | ResultsDB) -> ResultsDB:
@@ -74,7 +74,7 @@ def load_runs(db: str | Path | ResultsDB, probes: bool = False) -> list[dict[str
     """Every run as a dict: the runs row, `metrics` {phase: {name: value}} (a distributed run:
     the mean over ranks), `env`, `config`, `last_epoch` (losses of the final epoch, rank 0),
     `peaks` (absolute phase peaks; a distributed run: the maximum over ranks) and `trained`
-    (False: the run did not train, memstudy.trained; None: not judged).
+    (False: the run did not train, memstudy.did_train; None: not judged).
     maxres probes are left out unless `probes`."""
     db = open_db(db)
     runs = db.runs()
@@ -114,7 +114,7 @@ def _fill_trained(db: ResultsDB, runs: list[dict[str, Any]]) -> None:
 
 
 def did_not_train(run: dict[str, Any]) -> bool:
-    """A finished run whose training loss never moved (memstudy.trained): its memory and time
+    """A finished run whose training loss never moved (memstudy.did_train): its memory and time
     are measured, its losses say nothing about the technique set."""
     return run["status"] == "ok" and run["trained"] is False
 

@@ -5,7 +5,7 @@ one *candidate* per experiment (memstudy.report.experiments): the runs of one co
 that differ only in their seed (and label); `differs` names what sets a candidate apart from
 others of its set, size and device. A candidate carries the mean and spread over its seeds (mean, std, n) of the step
 time and the final validation loss, and the largest absolute peak over its seeds: what a budget
-caps, so the worst seed decides whether a set fits. A seed that did not train (memstudy.trained)
+caps, so the worst seed decides whether a set fits. A seed that did not train (memstudy.did_train)
 keeps its memory and time but gives no validation loss; a candidate none of whose finished
 seeds trained is not ranked (decisions, Pareto) and is named in the decision's note.
 
@@ -186,7 +186,7 @@ def decisions(db, budgets: list[int | str] | None = None) -> Rows:
 
 def works(cand: dict[str, Any]) -> bool:
     """A candidate ranked as a working technique set: some seed finished and not every
-    finished seed did not train (memstudy.trained; an unjudged run counts as trained)."""
+    finished seed did not train (memstudy.did_train; an unjudged run counts as trained)."""
     return cand["ok"] > cand["not_trained"]
 
 

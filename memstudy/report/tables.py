@@ -69,7 +69,7 @@ def _spread_of(key: str, values: list[float | None]) -> dict[str, float | None]:
 
 
 def _status(runs: Rows) -> str:
-    """'ok', 'ok 2/3', 'ok, 1 did not train' (memstudy.trained), or the last run's failure."""
+    """'ok', 'ok 2/3', 'ok, 1 did not train' (memstudy.did_train), or the last run's failure."""
     ok, dead = sum(r["status"] == "ok" for r in runs), sum(did_not_train(r) for r in runs)
     if ok:
         return ("ok" if ok == len(runs) else f"ok {ok}/{len(runs)}") + (
@@ -106,7 +106,7 @@ def phase_memory(db: DB, image_size: int | None = None) -> Rows:
 def losses(db: DB, image_size: int | None = None) -> Rows:
     """Table 1: train and validation loss (1 - MS-SSIM) of the final epoch, SSIM and PSNR.
 
-    Runs that did not train (memstudy.trained) are counted in `not_trained`, never averaged
+    Runs that did not train (memstudy.did_train) are counted in `not_trained`, never averaged
     in: their loss is the clamp's, not the technique set's; a group of only such runs shows
     no loss."""
     rows = []

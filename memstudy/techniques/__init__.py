@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from memstudy import run_length
+from memstudy import step_count
 from memstudy.config import budget_size
 from memstudy.errors import ConfigError
 from memstudy.techniques._registry import (composition_key, declared, get_technique,
@@ -82,11 +82,11 @@ def micro_batches(specs: list[str], most: bool = False,
 def planned_steps(config, train_images: int, most_micro_batches: bool = False,
                   chosen: dict[str, Any] | None = None) -> int:
     """Optimizer steps the run will take (at its initial batch size; an elastic batch takes
-    fewer), from the run's settings and its techniques' declared facts (memstudy.run_length).
+    fewer), from the run's settings and its techniques' declared facts (memstudy.step_count).
     With `most_micro_batches`: the fewest steps it can take (adaptive accumulation at its
     largest k). `chosen`: config.techniques parsed, where the caller has them (a plan's)."""
     chosen = parse_techniques(config.techniques) if chosen is None else chosen
-    return run_length.planned_steps(
+    return step_count.planned_steps(
         config.train, train_images, shards_batch=bool(declared_by(chosen, "shards_batch")),
         micro_batches=micro_batches(config.techniques, most_micro_batches, chosen))
 
