@@ -19,6 +19,7 @@ from memstudy.errors import ConfigError
 from memstudy.msssim_chunked import chunked_msssim, chunked_ssim_and_msssim
 from memstudy.segment_loss import dice_iou, segment_loss, segment_scores
 from memstudy.sizes import size_hw
+from memstudy.streaming import on_device
 
 WIN_SIZE = 11  # pytorch-msssim's default Gaussian window
 MSSSIM_WEIGHTS = (0.0448, 0.2856, 0.3001, 0.2363, 0.1333)  # Wang et al. 2003
@@ -180,9 +181,13 @@ def msssim(out: torch.Tensor, target: torch.Tensor, weights: list[float],
 def quality(out: torch.Tensor, target: torch.Tensor, scales: int,
             chunk_rows: int = LOSS_CHUNK_ROWS) -> dict[str, float]:
     """Per-batch mean of the validation figures. chunk_rows > 0 computes loss and SSIM in one
-    chunked pass (equal to pytorch-msssim's; no full-resolution maps at large images)."""
-    out, target = out.float().clamp(0, 1), target.float()
-    mse = torch.mean((out - target) ** 2, dim=(1, 2, 3)).clamp_min(1e-12)
+    chunked pass (equal to pytorch-msssim's; no full-resolution maps at large images); a
+    target in host memory (tile:stream) is then read a block of rows at a time."""
+    out = out.float().clamp(0, 1)
+    if target.device != out.device and not chunk_rows:
+        target = target.to(out.device)
+    target = target.float()
+    mse = _mse(out, target, chunk_rows).clamp_min(1e-12)
     if chunk_rows:
         ssim_value, msssim_value = chunked_ssim_and_msssim(out, target, msssim_weights(scales),
                                                            WIN_SIZE, chunk_rows)
@@ -194,6 +199,15 @@ def quality(out: torch.Tensor, target: torch.Tensor, scales: int,
         "ssim": float(ssim_value),
         "psnr": float(torch.mean(10 * torch.log10(1.0 / mse))),
     }
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor, rows: int) -> torch.Tensor:
+    """Mean squared error per image; a host target by blocks of `rows` rows."""
+    if target.device == out.device:
+        return torch.mean((out - target) ** 2, dim=(1, 2, 3))
+    total = sum(((out[..., r:r + rows, :] - on_device(target[..., r:r + rows, :], out.device))
+                 ** 2).sum(dim=(1, 2, 3)) for r in range(0, out.shape[-2], rows))
+    return total / out[0].numel()
 
 
 class SegmentFigures:

@@ -304,10 +304,12 @@ def _evaluate(build: Build, val_set, float32: bool = False) -> dict[str, float]:
             with rt.forward_context(), _float32_forward(rt, in_device, float32):
                 # exact tiled eval forward (train.val_tile_rows; 0 = untiled), recorded in notes
                 out, build.notes["val_tiling"] = validation_forward(model, x, cfg.val_tile_rows)
+            # a target in host memory (tile:stream) is read by blocks, never whole on the device
+            y = y if rt.inputs_on_host else y.to(out.device)
             if segment is not None:
-                segment.add(out, y.to(out.device))
+                segment.add(out, y)
                 continue
-            for k, v in quality(out, y.to(out.device), cfg.msssim_scales).items():
+            for k, v in quality(out, y, cfg.msssim_scales).items():
                 sums[k] = sums.get(k, 0.0) + v * len(x)
     finally:
         model.train()

@@ -124,3 +124,17 @@ def test_a_host_validation_batch_is_tiled_with_host_boundaries():
         streamed, how = validation_forward(model, x, 128)
     assert how == "tiled: levels=4, rows=128, boundaries in host memory"
     assert ((streamed - plain).norm() / plain.norm()).item() < 1e-10
+
+
+def test_validation_figures_of_a_host_target_equal_the_device_targets():
+    """quality() reads a target in pinned host memory by blocks of rows (its MSE too)."""
+    from memstudy.quality import quality
+
+    g = torch.Generator().manual_seed(6)
+    out = torch.rand(2, 1, 600, 500, generator=g, dtype=torch.float64).cuda()
+    target = torch.rand(2, 1, 600, 500, generator=g, dtype=torch.float64).pin_memory()
+    on_host = quality(out, target, 5, chunk_rows=64)
+    on_device = quality(out, target.cuda(), 5, chunk_rows=64)
+    assert on_host.keys() == on_device.keys()
+    for name, value in on_device.items():
+        assert abs(on_host[name] - value) <= 1e-10 * max(1.0, abs(value)), name
