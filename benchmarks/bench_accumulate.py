@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from memstudy.bytesize import MB
+from memstudy.byte_sizes import MB
 from memstudy.config import RunConfig
 from memstudy.report import accumulation, render
 from memstudy.runner import execute

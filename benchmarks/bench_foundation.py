@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from memstudy.store import ResultsDB
-from memstudy.bytesize import mb
+from memstudy.byte_sizes import mb
 
 SIZES = (512, 1024, 2048)
 COMMON = ["--batch-size", "1", "--epochs", "1", "--device", "cuda", "-q",

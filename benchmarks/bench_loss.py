@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from cuda_timing import median_ms  # benchmarks/ is on sys.path when run as a script
-from memstudy.bytesize import MB
+from memstudy.byte_sizes import MB
 from priming import prime
 
 

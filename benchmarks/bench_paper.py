@@ -41,7 +41,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from memstudy.bytesize import mb
+from memstudy.byte_sizes import mb
 from memstudy.errors import MemstudyError
 from memstudy.grid import expand, load_spec
 from memstudy.report.data import (device_of, did_not_train, gpu_shared, load_runs, open_db,

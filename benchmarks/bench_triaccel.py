@@ -50,7 +50,7 @@ from memstudy.techniques.tri_accel.flat_grads import FlatGradients
 from memstudy.runner import execute
 from memstudy.store import ResultsDB
 from memstudy.techniques.tri_accel.score import run_efficiency
-from memstudy.bytesize import MB
+from memstudy.byte_sizes import MB
 from priming import add_prime_option, prime, primed_note  # benchmarks/ is on sys.path as a script
 from cuda_timing import median_ms  # benchmarks/ is on sys.path when run as a script
 

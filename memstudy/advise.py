@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from memstudy.bytesize import mb, parse_bytes
+from memstudy.byte_sizes import mb, parse_bytes
 from memstudy.errors import ConfigError
 from memstudy.maxres import fit_line
 from memstudy.report.data import TRAIN_PHASES, device_of, load_runs, open_db, step_time
 from memstudy.report.decide import candidates, contexts, missing_context, quality_cost
-from memstudy.sizes import parse_size, size_hw, size_label
+from memstudy.image_sizes import parse_size, size_hw, size_label
 from memstudy.store import ResultsDB
 from memstudy.techniques import canonical
 from memstudy.report.notes import quality_warning

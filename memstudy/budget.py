@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from memstudy.bytesize import mb, size_text
+from memstudy.byte_sizes import mb, size_text
 from memstudy.config import budget_size
 from memstudy.errors import ConfigError
 

@@ -13,11 +13,11 @@ from memstudy.errors import ConfigError, MemstudyError
 from memstudy.phases import TRAIN_PHASES
 from memstudy.console import eprint
 from memstudy.techniques import check_early, parse_techniques
-from memstudy.sizes import check_input_fits, parse_size
+from memstudy.image_sizes import check_input_fits, parse_size
 from memstudy.store import RANK_MAX, RANK_MEAN, ResultsDB, check_writable, default_db_path
 from memstudy.text_table import phase_table
 from memstudy.did_train import describe, loss_ranges
-from memstudy.bytesize import mb
+from memstudy.byte_sizes import mb
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 
 from memstudy.errors import ConfigError
 from memstudy.network import ModelConfig
-from memstudy.sizes import RESIZE_MODES, check_size_source, parse_size
-from memstudy.bytesize import ByteSize, parse_bytes
+from memstudy.image_sizes import RESIZE_MODES, check_size_source, parse_size
+from memstudy.byte_sizes import ByteSize, parse_bytes
 from memstudy.typecheck import check_fields, field_types, typed_value
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -45,7 +45,7 @@ HASH_SCHEMA = 2  # 2: train.loss_chunk_rows defaults to "auto" (block height fro
 
 @dataclass
 class TrainConfig:
-    image_size: int | str = 256  # 4188, "4188x3500" (height x width) or "native" (memstudy/sizes.py)
+    image_size: int | str = 256  # 4188, "4188x3500" (height x width) or "native" (memstudy/image_sizes.py)
     batch_size: int = 1
     epochs: int = 1
     max_steps: int | None = None  # stop after this many optimizer steps (all epochs together)

@@ -36,7 +36,7 @@ from memstudy.grid import config_hash, run_isolated
 from memstudy.runner import execute, run_name
 from memstudy.report.data import TRAIN_PHASES, absolute_phase_peaks
 from memstudy.store import PROBE_LABEL, ResultsDB
-from memstudy.bytesize import mb
+from memstudy.byte_sizes import mb
 
 GRID_PX = 64
 MIN_PX = 192  # the smallest multiple of 64 that 5-scale MS-SSIM accepts

@@ -18,7 +18,7 @@ from pytorch_msssim import ms_ssim, ssim
 from memstudy.errors import ConfigError
 from memstudy.msssim_chunked import chunked_msssim, chunked_ssim_and_msssim
 from memstudy.segment_loss import dice_iou, segment_loss, segment_scores
-from memstudy.sizes import size_hw
+from memstudy.image_sizes import size_hw
 from memstudy.streaming import on_device
 
 WIN_SIZE = 11  # pytorch-msssim's default Gaussian window
@@ -38,7 +38,7 @@ def min_image_size(scales: int) -> int:
 
 def check_image_size(size, scales: int, setting: str = "train.image_size") -> None:
     """Refuse a size whose smaller side is below the loss's minimum. `size` is a canonical size
-    (memstudy.sizes) or a (height, width) pair; native sizes are checked per image, when read."""
+    (memstudy.image_sizes) or a (height, width) pair; native sizes are checked per image, when read."""
     hw = size if isinstance(size, tuple) else size_hw(size)
     if hw is None:
         return

@@ -48,7 +48,7 @@ CREATE TABLE IF NOT EXISTS runs (
     status TEXT NOT NULL CHECK (status IN ('ok', 'oom', 'error', 'diverged')),
     failed_phase TEXT,            -- phase of an oom / error / divergence
     error TEXT,
-    image_size INTEGER NOT NULL,  -- a square's side; 'HxW' and 'native' (memstudy.sizes) stay TEXT
+    image_size INTEGER NOT NULL,  -- a square's side; 'HxW' and 'native' (memstudy.image_sizes) stay TEXT
     batch_size INTEGER NOT NULL,
     world_size INTEGER NOT NULL,
     device TEXT NOT NULL,
@@ -129,7 +129,7 @@ CREATE TABLE IF NOT EXISTS predictions (
     created_at REAL NOT NULL,     -- runs finished after it check the prediction (advise --check)
     gpu_name TEXT NOT NULL,       -- the device the fit's runs were on (report device name)
     name TEXT NOT NULL,           -- technique set, as runs.name
-    image_size TEXT NOT NULL,     -- canonical size (memstudy.sizes), as text
+    image_size TEXT NOT NULL,     -- canonical size (memstudy.image_sizes), as text
     batch_size INTEGER NOT NULL,
     budget TEXT NOT NULL,
     budget_bytes INTEGER NOT NULL,

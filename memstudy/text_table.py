@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from memstudy.bytesize import mb
+from memstudy.byte_sizes import mb
 from memstudy.phases import PHASES
 
 

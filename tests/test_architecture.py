@@ -212,7 +212,7 @@ def test_the_direction_check_finds_an_upward_import_in_a_function(tmp_path):
     assert layer_of("memstudy.techniques.amp", table) > layer_of("memstudy.techniques", table)
     assert layer_of("memstudy.techniques.compose", table) == layer_of("memstudy.tiling.unet", table)
     tree = ast.parse("def f():\n    from memstudy.runner import execute\n")
-    source, [target] = "memstudy.sizes", imported_modules(tree)
+    source, [target] = "memstudy.image_sizes", imported_modules(tree)
     assert layer_of(target, table) > layer_of(source, table)
 
 

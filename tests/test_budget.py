@@ -8,7 +8,7 @@ import torch
 
 from memstudy.budget import (allocator_fraction, apply_budget, budget_bytes, check_floor,
                              cuda_context_bytes, nvml_used, recap_after_warmup)
-from memstudy.bytesize import size_text
+from memstudy.byte_sizes import size_text
 from memstudy.cli import main
 from memstudy.errors import ConfigError
 from memstudy.runner import execute

@@ -8,7 +8,7 @@ import typing
 import pytest
 
 from memstudy import cli
-from memstudy.bytesize import parse_bytes
+from memstudy.byte_sizes import parse_bytes
 from memstudy.config import DataConfig, MeterConfig, RunConfig, TrainConfig, from_dict, set_value
 from memstudy.errors import ConfigError
 from memstudy.grid.spec import GridSpec, spec_from_dict

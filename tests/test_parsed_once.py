@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-from memstudy.bytesize import parse_bytes
+from memstudy.byte_sizes import parse_bytes
 from memstudy.cli import main
 from memstudy.config import RunConfig, TrainConfig
 from memstudy.techniques import parse_techniques, resolve_run_settings

@@ -32,14 +32,14 @@ def test_a_size_whose_input_alone_exceeds_the_host_is_refused_and_never_recorded
     here the host holds 1 GiB, so 32768 px (4 GiB of float32 input) cannot even be made."""
     import memstudy.maxres
     import memstudy.runner
-    import memstudy.sizes
+    import memstudy.image_sizes
     from memstudy.grid import expand, load_spec
 
     def built(*args, **kwargs):
         raise AssertionError("a run was started for a size whose input cannot be made")
     monkeypatch.setattr(memstudy.runner, "execute", built)
     monkeypatch.setattr(memstudy.maxres, "search_all", built)
-    monkeypatch.setattr(memstudy.sizes, "host_memory_bytes", lambda: 2**30)
+    monkeypatch.setattr(memstudy.image_sizes, "host_memory_bytes", lambda: 2**30)
     db = tmp_path / "r.sqlite"
     huge = ["--size", "32768", "--steps", "1", "--device", "cpu", "--set", "data.train_images=1",
             "--set", "data.val_images=1", "--set", "train.warmup_steps=0", "-q"]

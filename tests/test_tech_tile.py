@@ -441,17 +441,17 @@ def test_stream_sizes_its_host_memory_and_refuses_what_the_host_lacks(monkeypatc
     """tile:stream's host boundaries for ResNet-34 at levels=3, layer1=convs, 1024 px, float32:
     p0, a0, p1, a1, p2, a2 and z2 (64 x 256 x 256) and z3 (32 x 512 x 512), 4 bytes each:
     144 MiB; twice that with their gradients must fit the host, or the plan is refused."""
-    from memstudy import sizes
+    from memstudy import image_sizes
     from memstudy.techniques.tile import stream_host_bytes
 
     spec = "tile:3:levels=3:layer1=convs:stream=true"
     plan = make_plan(small_config(1024, techniques=[spec]))
     kept, names = stream_host_bytes(plan.chosen["tile"], plan)
     assert (kept, names) == (144 * 2**20, ["a0", "a1", "a2", "p0", "p1", "p2", "z2", "z3"])
-    monkeypatch.setattr(sizes, "host_memory_bytes", lambda: 200 * 2**20)
+    monkeypatch.setattr(image_sizes, "host_memory_bytes", lambda: 200 * 2**20)
     with pytest.raises(ConfigError, match=r"tile:stream at 1024 px keeps 144MiB of boundaries "
                                           r"in host memory \(a0, .*z3\) .* 288MiB, more than "
                                           r"this host's 200MiB"):
         make_plan(small_config(1024, techniques=[spec]))
-    monkeypatch.setattr(sizes, "host_memory_bytes", lambda: 288 * 2**20)
+    monkeypatch.setattr(image_sizes, "host_memory_bytes", lambda: 288 * 2**20)
     make_plan(small_config(1024, techniques=[spec]))

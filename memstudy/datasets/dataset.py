@@ -4,7 +4,7 @@
 the one entry point the harness uses. Items are float32 tensors (1, height, width) in [0, 1]:
 the input radiograph and its contrast-enhanced reference; for task "segment" the second is the
 mask, uint8 class indices (1, height, width) (docs/segmentation.md). `size` is a side (square), (height, width), a canonical size of
-memstudy.sizes ("HxW", "native") or None / "native": every image at its own resolution.
+memstudy.image_sizes ("HxW", "native") or None / "native": every image at its own resolution.
 
 - synthetic: phantom `index` of `seed`; train takes indices 0..train-1, validation the next
   `val_images`, so the two never share an image. Any height x width (phantom.make_phantom).
@@ -47,7 +47,7 @@ from memstudy.datasets.phantom import GENERATOR_VERSION, MIN_SIZE, make_mask, ma
 from memstudy.config import SOURCES, DataConfig  # noqa: F401 (re-exported)
 from memstudy.config import check_segment_classes
 from memstudy.errors import ConfigError
-from memstudy.sizes import RESIZE_MODES, is_native, size_hw
+from memstudy.image_sizes import RESIZE_MODES, is_native, size_hw
 
 _CACHE_FORMAT = 1  # bump when the on-disk layout changes
 

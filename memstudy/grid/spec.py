@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memstudy.bytesize import ByteSize
+from memstudy.byte_sizes import ByteSize
 from memstudy.config import RunConfig, from_dict, read_toml, split_techniques
 from memstudy.errors import ConfigError
 from memstudy.runner import config_hash, run_name
-from memstudy.sizes import check_input_fits, parse_size
+from memstudy.image_sizes import check_input_fits, parse_size
 from memstudy.typecheck import check_fields
 
 SPEC_KEYS = {"name", "techniques", "product", "image_sizes", "batch_sizes", "seeds", "world_sizes",
@@ -75,7 +75,7 @@ def spec_from_dict(raw: dict[str, Any], default_name: str = "grid") -> GridSpec:
                     base=raw.get("base", {}))
     for key in ("image_sizes", "batch_sizes", "seeds", "world_sizes", "encoders"):
         if key in raw:
-            # sizes: 4188, "4188x3500" or "native", as train.image_size (memstudy/sizes.py)
+            # sizes: 4188, "4188x3500" or "native", as train.image_size (memstudy/image_sizes.py)
             kind = {"image_sizes": (int, str), "encoders": str}.get(key, int)
             setattr(spec, key, _list(raw, key, kind))
             if not getattr(spec, key):

@@ -45,7 +45,7 @@ from memstudy.report.triaccel_section import control_series as tri_control_serie
 from memstudy.report.triaccel_section import efficiency as tri_efficiency
 from memstudy.report.triaccel_section import tri_runs
 from memstudy.text_table import FORMATS, render_table
-from memstudy.bytesize import mb, parse_bytes
+from memstudy.byte_sizes import mb, parse_bytes
 
 GPU_DB = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "technique-grid" / "gpu.sqlite"
 

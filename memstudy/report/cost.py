@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from memstudy.bytesize import mb
+from memstudy.byte_sizes import mb
 from memstudy.errors import ConfigError
 from memstudy.report.data import device_of, did_not_train, load_runs
 from memstudy.report.experiments import experiment
-from memstudy.sizes import size_sort_key
+from memstudy.image_sizes import size_sort_key
 
 Rows = list[dict[str, Any]]
 DEFAULT_WEIGHTS = (1.0, 1.0, 1.0)

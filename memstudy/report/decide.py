@@ -29,13 +29,13 @@ from collections import defaultdict
 from statistics import median
 from typing import Any
 
-from memstudy.bytesize import mb, parse_bytes, size_text
+from memstudy.byte_sizes import mb, parse_bytes, size_text
 from memstudy.report.data import (TRAIN_PHASES, device_of, did_not_train, gpu_shared,
                                   load_maxres, load_runs, open_db, phase_peak, step_time)
 from memstudy.report.experiments import (comparison, describe, experiment, label_experiments,
                                          settings, split)
 from memstudy.report.tables import DIFFERS, spread
-from memstudy.sizes import size_hw, size_sort_key
+from memstudy.image_sizes import size_hw, size_sort_key
 from memstudy.store import NOT_TRAINED, describe_outcome
 
 Rows = list[dict[str, Any]]
@@ -166,7 +166,7 @@ def decisions(db, budgets: list[int | str] | None = None) -> Rows:
     step time over original's at that size (the fastest ok original there with the same
     settings as it, any memory; experiments.comparison) and its quality cost (quality_cost).
     A size where nothing fits names the smallest peak seen. Budgets are bytes or text as the
-    user wrote it ('400MiB'), shown so (bytes in round units: bytesize.size_text)."""
+    user wrote it ('400MiB'), shown so (bytes in round units: byte_sizes.size_text)."""
     cands = [c for c in candidates(db) if c["world_size"] == 1]
     budgets = written(budgets if budgets is not None else budgets_found(db))
     rows = []

@@ -18,7 +18,7 @@ from typing import Any
 import memstudy.report.interactive as interactive
 import memstudy.report.plots as plots
 from memstudy.report.tables import TITLES, as_cells
-from memstudy.sizes import size_sort_key
+from memstudy.image_sizes import size_sort_key
 from memstudy.text_table import render_table
 
 RESOLUTION_TITLE = "Memory vs resolution"

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 
 from memstudy.report.decide import CATEGORIES
 from memstudy.report.data import TRAIN_PHASES
-from memstudy.sizes import size_hw, size_label, size_sort_key
+from memstudy.image_sizes import size_hw, size_label, size_sort_key
 
 Rows = list[dict[str, Any]]
 TEMPLATE = "plotly_white"

@@ -11,7 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 from memstudy.report.data import TRAIN_PHASES
-from memstudy.sizes import NATIVE, size_hw, size_sort_key
+from memstudy.image_sizes import NATIVE, size_hw, size_sort_key
 
 Rows = list[dict[str, Any]]
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from memstudy.bytesize import mb
+from memstudy.byte_sizes import mb
 from memstudy.report.data import TRAIN_PHASES, phase_peak, step_time
 from memstudy.report.decide import BASELINE, _row_order, phase_groups
 from memstudy.report.tables import DIFFERS, spread
-from memstudy.sizes import size_hw, size_sort_key
+from memstudy.image_sizes import size_hw, size_sort_key
 
 Rows = list[dict[str, Any]]
 SAVED = ("cat_saved_bytes", "cat_loss_saved_bytes")  # held for backward at the forward's end

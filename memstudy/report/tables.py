@@ -17,9 +17,9 @@ from typing import Any
 from memstudy.report.data import (PROBE_LABEL, TRAIN_PHASES, device_of, did_not_train, epoch_time,
                                   load_maxres, load_runs, phase_peak, step_time)
 from memstudy.report.experiments import experiment, label_experiments, technique_set
-from memstudy.sizes import size_sort_key
+from memstudy.image_sizes import size_sort_key
 from memstudy.store import NOT_TRAINED, ResultsDB, describe_outcome
-from memstudy.bytesize import mb
+from memstudy.byte_sizes import mb
 
 BASELINE = "original"
 ACROSS_SIZES = ("train.image_size",)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from memstudy.report.data import load_runs, open_db
-from memstudy.bytesize import mb
-from memstudy.sizes import size_sort_key
+from memstudy.byte_sizes import mb
+from memstudy.image_sizes import size_sort_key
 
 TECHNIQUE = "tri_accel"
 Rows = list[dict[str, Any]]

@@ -55,7 +55,7 @@ class Checked:
     """What check_early parsed from a config, handed down (make_plan, runner.execute) so
     that nothing parses it again. The config keeps what was written: it is stored and hashed."""
     chosen: dict[str, Any]  # technique name -> options, in composition order (parse_techniques)
-    budget_bytes: int | None  # config.budget in bytes (bytesize.size_text writes it back)
+    budget_bytes: int | None  # config.budget in bytes (byte_sizes.size_text writes it back)
 
 
 def check_early(config) -> Checked:

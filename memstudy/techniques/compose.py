@@ -32,7 +32,7 @@ from memstudy.models import build_model, check_factory
 from memstudy.models.unet import upsampled_elements
 from memstudy.quality import ObservedLoss, check_image_size, make_loss
 from memstudy.runtime import Runtime
-from memstudy.sizes import size_hw
+from memstudy.image_sizes import size_hw
 from memstudy.techniques import (Checked, check_early, get_technique, list_techniques,
                                  resolve_run_settings)
 from memstudy.techniques.base import Build, Plan, Stage

@@ -130,7 +130,7 @@ def stream_host_bytes(opts: Options, plan: Plan) -> tuple[int, list[str]] | None
     import torch
 
     from memstudy.models import build_unet
-    from memstudy.sizes import size_hw
+    from memstudy.image_sizes import size_hw
 
     hw = size_hw(plan.config.train.image_size)
     if hw is None:
@@ -149,8 +149,8 @@ def check_stream_host_memory(opts: Options, plan: Plan) -> None:
     """Refuse, before anything is built, a stream whose host boundaries and their gradients
     (in backward a host input's gradient adds up beside it: at most as much again) exceed
     this host's memory."""
-    from memstudy.bytesize import size_text
-    from memstudy.sizes import host_memory_bytes, size_label
+    from memstudy.byte_sizes import size_text
+    from memstudy.image_sizes import host_memory_bytes, size_label
 
     sized, have = stream_host_bytes(opts, plan), host_memory_bytes()
     if sized is None or not have or 2 * sized[0] <= have:

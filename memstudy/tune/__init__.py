@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from memstudy.bytesize import parse_bytes
+from memstudy.byte_sizes import parse_bytes
 from memstudy.config import RunConfig, from_dict, read_toml
 from memstudy.errors import ConfigError
 

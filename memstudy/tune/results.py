@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from memstudy.bytesize import parse_bytes
+from memstudy.byte_sizes import parse_bytes
 from memstudy.tune import (SETTING_SECTIONS, TUNE_LABEL, TuneSpec, fitness, recorded_figures,
                            trial_config)
 

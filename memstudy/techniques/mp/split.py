@@ -22,7 +22,7 @@ from torch import nn
 from memstudy.distributed import p2p
 from memstudy.errors import ConfigError
 from memstudy.models.unet import STRIDE, pad_to_stride
-from memstudy.sizes import size_hw
+from memstudy.image_sizes import size_hw
 
 
 def check_split_size(plan, owner: str, alternative: str = "") -> None:

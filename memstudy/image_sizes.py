@@ -120,7 +120,7 @@ def check_input_fits(size: Size, batch_size: int, setting: str = "train.image_si
         return
     need = hw[0] * hw[1] * batch_size * INPUT_BYTES_PER_PIXEL
     if need > have:
-        from memstudy.bytesize import size_text
+        from memstudy.byte_sizes import size_text
 
         raise ConfigError(f"{setting} {size_label(size)}: one batch's input alone takes "
                           f"{size_text(need)} (float32, batch {batch_size}), more than this "

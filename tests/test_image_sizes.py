@@ -16,7 +16,7 @@ from memstudy.grid import spec_from_dict
 from memstudy.maxres import search, size_grid
 from memstudy.models import build_unet
 from memstudy.runner import execute
-from memstudy.sizes import parse_size, size_hw
+from memstudy.image_sizes import parse_size, size_hw
 from memstudy.store import ResultsDB
 
 
