@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from memstudy.kernels import norm_act as na
+from memstudy.tiling import norm_act as na
 from cuda_timing import median_ms  # benchmarks/ is on sys.path when run as a script
 
 SHAPES = [(1, 16, 1056, 4192), (1, 32, 530, 2096), (1, 64, 530, 2096), (1, 16, 1040, 8192)]

@@ -48,7 +48,7 @@ def layouts(args) -> list[dict | None]:
 
 def step_fn(layout: dict | None, size: int):
     from memstudy.models import build_unet
-    from memstudy.tiling.unet import TiledForward
+    from memstudy.tiling.tiled_forward import TiledForward
 
     model = build_unet(seed=0).cuda().to(memory_format=torch.channels_last).train()
     if layout:

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memstudy.models import build_unet
 from memstudy.tiling import sweep as sweep_module
-from memstudy.tiling.unet import TiledForward
+from memstudy.tiling.tiled_forward import TiledForward
 
 RECORDED = {"_to_copy", "clone", "copy_", "contiguous", "convolution", "convolution_backward",
             "cat", "upsample_nearest2d", "upsample_nearest2d_backward"}

@@ -210,7 +210,7 @@ def test_the_direction_check_finds_an_upward_import_in_a_function(tmp_path):
     table = layer_table(ARCHITECTURE.read_text())
     assert layer_of("memstudy.config", table) < layer_of("memstudy.train", table)
     assert layer_of("memstudy.techniques.amp", table) > layer_of("memstudy.techniques", table)
-    assert layer_of("memstudy.techniques.compose", table) == layer_of("memstudy.tiling.unet", table)
+    assert layer_of("memstudy.techniques.compose", table) == layer_of("memstudy.tiling.tiled_forward", table)
     tree = ast.parse("def f():\n    from memstudy.runner import execute\n")
     source, [target] = "memstudy.image_sizes", imported_modules(tree)
     assert layer_of(target, table) > layer_of(source, table)

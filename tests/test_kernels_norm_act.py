@@ -1,4 +1,4 @@
-"""The tiled BatchNorm's Triton kernels (memstudy/kernels/norm_act.py) against their PyTorch
+"""The tiled BatchNorm's Triton kernels (memstudy/tiling/norm_act.py) against their PyTorch
 references and float64 (TRITON_INTERPRET=1 on the CPU), the tiling's use of them against the
 primitives' path (memstudy/tiling/norm.py), and, on a GPU, against PyTorch's primitives."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from memstudy.errors import ConfigError
-from memstudy.kernels import norm_act as na
+from memstudy.tiling import norm_act as na
 from memstudy.kernels import resolve_impl
 from memstudy.tiling import norm
 from helpers import run_interpreted

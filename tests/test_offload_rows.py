@@ -11,7 +11,7 @@ import torch
 from memstudy.models import build_unet
 from memstudy.runtime import ROWS_IN, RowArrivals, read_by_rows
 from memstudy.techniques import offload
-from memstudy.tiling.unet import TiledForward
+from memstudy.tiling.tiled_forward import TiledForward
 
 
 class FakeEvent:

@@ -86,7 +86,7 @@ EXTRA_FORWARDS = {
 
 
 # The first convolution of a tiled decoder block reads cat(up(d), skip): the tile bodies fold the
-# up-sampling into a stride-2 transposed convolution of d (memstudy/tiling/unet.py, up_conv),
+# up-sampling into a stride-2 transposed convolution of d (memstudy/tiling/tiled_forward.py, up_conv),
 # whose multiply-adds over d's channels are 4 / 9 of the 3 x 3 convolution's at twice the
 # resolution. Each evaluation, forward or gradient, of such a convolution costs `_fold_ratio`
 # of the plain one's.

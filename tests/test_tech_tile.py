@@ -15,7 +15,7 @@ from memstudy.errors import ConfigError
 from memstudy.meters.tensor import LiveTensorMeter
 from memstudy.models import build_unet
 from memstudy.techniques.compose import build_pipeline, make_plan
-from memstudy.tiling.unet import TiledForward
+from memstudy.tiling.tiled_forward import TiledForward
 from memstudy.tiling.sweep import run_region
 
 
@@ -249,7 +249,7 @@ def test_keep_conv1_runs_block3_conv1_once_per_sweep(keep, calls, monkeypatch):
     per tile, in forward and again in backward; with keep=conv1 its own region has no BatchNorm
     of its own, so one sweep forward and one in backward. (The tile bodies run it as
     TensorOps.up_conv, folded with the up-sampling, not through the module.)"""
-    from memstudy.tiling import unet
+    from memstudy.tiling import tiled_forward as unet
 
     seen = []
     up_conv = unet.TensorOps.up_conv
@@ -282,7 +282,7 @@ def test_keep_bn_runs_every_tiled_convolution_once_per_tile_each_way(monkeypatch
     backward's recomputation (2 tiles: 4 calls), the stem's in its own region and again for
     block 3's skip (8; keep=all runs it in the stem's 2 sweeps and block 3's 1, each way: 12).
     The blocks' first convolutions run as TensorOps.up_conv (folded with the up-sampling)."""
-    from memstudy.tiling import unet
+    from memstudy.tiling import tiled_forward as unet
 
     up_conv = unet.TensorOps.up_conv
 

@@ -8,7 +8,7 @@ import torch
 from memstudy.models import build_unet
 from memstudy.techniques.compose import build_pipeline, make_plan
 from memstudy.tiling.graphs import CudaGraphs, TileGraphs
-from memstudy.tiling.unet import TiledForward
+from memstudy.tiling.tiled_forward import TiledForward
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memstudy.models import build_unet
-from memstudy.tiling.unet import TiledForward, layout_of_weight
+from memstudy.tiling.tiled_forward import TiledForward, layout_of_weight
 
 
 def reads_channels_last(t: torch.Tensor) -> bool:

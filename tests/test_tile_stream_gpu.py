@@ -7,7 +7,7 @@ import torch
 
 from memstudy.models import build_unet
 from memstudy.tiling import sweep
-from memstudy.tiling.unet import TiledForward
+from memstudy.tiling.tiled_forward import TiledForward
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ import torch
 
 from memstudy.models import build_unet
 from memstudy.network import ModelConfig
-from memstudy.tiling.unet import TiledForward
+from memstudy.tiling.tiled_forward import TiledForward
 from memstudy.errors import ConfigError
 from memstudy.tiling.geometry import split_rows
 from memstudy.tiling.graphs import Emulated, TileGraphs
@@ -352,7 +352,7 @@ def test_folded_up_convolution_equals_upsampling_then_convolution(skip_channels)
     """TensorOps.up_conv (a stride-2 transposed convolution of the folded weights, plus the
     skip's convolution) against nearest up-sampling, concatenation and the 3 x 3 convolution,
     in float64 within 1e-12 relative, values and gradients, on odd sizes, with a bias."""
-    from memstudy.tiling.unet import TensorOps
+    from memstudy.tiling.tiled_forward import TensorOps
 
     gen = torch.Generator().manual_seed(5)
     conv = torch.nn.Conv2d(4 + skip_channels, 6, 3, padding=1).double()

@@ -42,7 +42,7 @@ Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`, `tile:16:keep=conv1`, `ti
 - `layer1` (levels=3): `whole` (layer1 inside the stem's region, whose 7 BatchNorms cost 8
   sweeps each way over it), `blocks` (one region per BasicBlock, its input kept at 1/4 res:
   3 sweeps each) or `convs` (also each block's first convolution output: 1 + 2 sweeps);
-- `norm`: the tiled BatchNorms' kernels on CUDA: `triton` (memstudy/kernels/norm_act.py: one
+- `norm`: the tiled BatchNorms' kernels on CUDA: `triton` (memstudy/tiling/norm_act.py: one
   pass each for a strip's moments, its normalisation + ReLU and their backward), `torch`
   (PyTorch's SyncBatchNorm primitives, five passes for the last two), `auto` (triton on CUDA).
 Composes with amp, checkpoint:block / selective and invertible (they act on the untiled levels;
@@ -67,7 +67,7 @@ from memstudy.techniques.options import DEFAULT_TILES
 from memstudy.techniques.options import TileOptions as Options
 from memstudy.tiling.graphs import CudaGraphs, TileGraphs
 from memstudy.tiling.levels import NETWORK_LEVELS, min_tile_rows
-from memstudy.tiling.unet import TiledForward
+from memstudy.tiling.tiled_forward import TiledForward
 
 # technique -> why it cannot run with tile
 CONFLICTS = {

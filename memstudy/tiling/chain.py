@@ -3,7 +3,7 @@
 A region's computation is written as a walk over named operations (`conv`, `norm` (with the
 ReLU that follows it fused when `relu=True`), `relu`, `pool`, `add`, and `up_conv`: a decoder
 block's nearest up-sampling, concatenation with its skip and first convolution) of an `ops`
-object. The tile bodies (memstudy/tiling/unet.py) walk it with tensors of one strip; the
+object. The tile bodies (memstudy/tiling/tiled_forward.py) walk it with tensors of one strip; the
 geometry (`Trace` below) walks the same code with row bookkeeping, so the halo of every region
 follows from exactly the operations its body runs.
 

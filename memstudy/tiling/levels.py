@@ -2,7 +2,7 @@
 checks use it without importing torch).
 
 `levels` counts the resolution levels tiled, from full resolution down; `keep` chooses the kept
-boundaries between regions (memstudy/tiling/chain.py lays the regions out; unet.py runs them).
+boundaries between regions (memstudy/tiling/chain.py lays the regions out; tiled_forward.py runs them).
 The halos follow from the regions' own walks (chain.trace).
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ plain tensor ops in float32 (float64 for a float64 model): the reference the GPU
 the CUDA path with.
 
 `kernels="triton"` (tile:norm, the default) runs the same three steps through memstudy's Triton
-kernels (memstudy/kernels/norm_act.py) on a dense channels_last strip: one pass each for the
+kernels (memstudy/tiling/norm_act.py) on a dense channels_last strip: one pass each for the
 moments, the affine map + ReLU, and backward's input gradient with both per-channel sums
 (PyTorch's primitives take five passes for the last two, at a fraction of the bandwidth on the
 tiled levels' 16-64 channels). `kernels="torch"` keeps the primitives (and everything else, on
@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memstudy.kernels import interpreted, norm_act
+from memstudy.kernels import interpreted
+from memstudy.tiling import norm_act
 from memstudy.models.unet import memory_format_of
 
 Stats = tuple[torch.Tensor, torch.Tensor]  # (mean, biased variance), one value per channel

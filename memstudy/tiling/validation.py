@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from memstudy.tiling.levels import STREAM_VALIDATION_LEVELS, VALIDATION_LEVELS
-from memstudy.tiling.unet import TiledForward, plain_stages
+from memstudy.tiling.tiled_forward import TiledForward, plain_stages
 
 
 # A technique whose per-block forward wrappers the tiled walk would bypass (it calls the
