@@ -338,8 +338,8 @@ class TiledForward:
         else:
             f1 = enc.relu(enc.bn1(enc.conv1(values["x"])))
             low = enc.maxpool(f1)
-        l1 = low if self.levels == 3 else values.get("l1") if self.levels == 4 \
-            else enc.layer1(low)
+        # layer1's output: the untiled levels' input at levels=3, a tiled boundary at 4
+        l1 = enc.layer1(low) if self.levels < 3 else low if self.levels == 3 else None
         l2 = low if self.levels >= 4 else enc.layer2(l1)
         l3 = enc.layer3(l2)
         d = dec.center(enc.layer4(l3))
