@@ -294,6 +294,7 @@ def test_cells_side_by_side_share_the_hosts_cpu_threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cell_threads(1, cores=16) is None  # one cell at a time keeps torch's default
     assert (cell_threads(4, cores=16), cell_threads(3, cores=16), cell_threads(32, cores=16)) == (4, 5, 1)
+    assert (cell_threads(2, cores=16), cell_threads(2, cores=3)) == (8, 1)  # two cells: halves
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice, inherited by every cell
     assert cell_threads(4, cores=16) is None
 
