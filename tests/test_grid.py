@@ -295,6 +295,8 @@ def test_cells_side_by_side_share_the_hosts_cpu_threads(monkeypatch):
     assert cell_threads(1, cores=16) is None  # one cell at a time keeps torch's default
     assert (cell_threads(4, cores=16), cell_threads(3, cores=16), cell_threads(32, cores=16)) == (4, 5, 1)
     assert (cell_threads(2, cores=16), cell_threads(2, cores=3)) == (8, 1)  # two cells: halves
+    monkeypatch.setattr("os.cpu_count", lambda: 16)  # cores not given: the host's
+    assert cell_threads(2) == 8
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice, inherited by every cell
     assert cell_threads(4, cores=16) is None
 
