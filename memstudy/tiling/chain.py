@@ -360,7 +360,7 @@ def _conv1_blocks(start: str, stop: str | None) -> set[int]:
 def _factor(name: str, levels: int, stages: Stages = RESNET34) -> int:
     """An input's resolution in multiples of the coarse grid (1/2**levels)."""
     log2_res = {"x": 0, "s": -1}.get(name)  # log2 of the resolution to the input's
-    if log2_res is None and RegionSpec.encoder_tensor(name) or name == "l2":
+    if log2_res is None and (RegionSpec.encoder_tensor(name) or name == "l2"):
         stage, _kind, _j = stages.at(name)
         log2_res = stage.log2_res(name)
     elif log2_res is None:
