@@ -127,7 +127,10 @@ def test_a_host_validation_batch_is_tiled_with_host_boundaries():
 
 
 def test_validation_figures_of_a_host_target_equal_the_device_targets():
-    """quality() reads a target in pinned host memory by blocks of rows (its MSE too)."""
+    """quality() reads a target in pinned host memory by blocks of rows (its MSE too). The
+    figures are float32 (quality() casts), and a host target's MSE is summed by blocks where
+    the device's is one torch.mean: the two orders differ by float32 rounding (measured 6e-8
+    relative on an H200), so 1e-6; a block read from the wrong rows differs by far more."""
     from memstudy.quality import quality
 
     g = torch.Generator().manual_seed(6)
@@ -137,4 +140,4 @@ def test_validation_figures_of_a_host_target_equal_the_device_targets():
     on_device = quality(out, target.cuda(), 5, chunk_rows=64)
     assert on_host.keys() == on_device.keys()
     for name, value in on_device.items():
-        assert abs(on_host[name] - value) <= 1e-10 * max(1.0, abs(value)), name
+        assert abs(on_host[name] - value) <= 1e-6 * max(1.0, abs(value)), name
