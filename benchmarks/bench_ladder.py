@@ -58,6 +58,16 @@ STREAM_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
 # host memory, so the device holds the parameters, the untiled levels and one strip's work
 STREAM_2GIB_SETS = ";".join(
     STREAM_SET.replace("tile:16:", f"tile:{strips}:") + ",offload_optim" for strips in (16, 32))
+# tile:auto's calibration (memstudy/tiling/auto.py): the three plans it chooses among, each at
+# two strip heights, run unconstrained at two sizes; their allocator peaks fit its model
+AUTO_PLANS = {
+    "levels2": "tile:rows={rows}:keep=all",
+    "levels3": "tile:rows={rows}:levels=3:keep=conv1:layer1=convs",
+    "levels4-stream": "tile:rows={rows}:levels=4:keep=conv1:layer1=convs:stream=true",
+}
+AUTO_CALIBRATION_SETS = ";".join(
+    f"amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,{tile.format(rows=rows)},"
+    "allocator:expandable_segments=true" for tile in AUTO_PLANS.values() for rows in (256, 1024))
 # With 8 GiB at 4188 px nothing needs to leave the device: the 4 GiB set without offload's copies
 RESIDENT_SET = "amp:bf16,checkpoint,tile:4:keep=all,allocator:expandable_segments=true"
 

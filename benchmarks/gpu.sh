@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
 # then are packed into one archive, $OUT/results.tgz.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [networks] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [networks] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -108,6 +108,11 @@ for item in $STEPS; do
         # 4188 px under 2 GiB with the streaming set, tile:16 and tile:32 (bench_ladder.STREAM_2GIB_SETS)
         tile-stream-2gib) sets=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.STREAM_2GIB_SETS)")
             MEMSTUDY_ALLOC_TRACE="$RES/stream-4188-2gib/releases.md" $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-4188-2gib" --size 4188 --budget 2GiB --steps 6 --no-float32 --no-references --tiled-set "$sets" 2>&1 | tee -a "$RES/tile-stream.log" ;;
+        # tile:auto's calibration points (bench_ladder.AUTO_CALIBRATION_SETS), unconstrained
+        tile-auto-calibrate) sets=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_CALIBRATION_SETS)")
+            for size in ${CALIBRATION_SIZES:-2048 4096}; do
+                $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-calibration-$size" --size "$size" --budget 100GiB --steps 4 --no-float32 --no-references --tiled-set "$sets" 2>&1 | tee -a "$RES/tile-auto-calibrate.log"
+            done ;;
         # other networks and the segmentation task (docs/network.md): native 4188 px per network,
         # task and budget with the best tiled set(s) ('+'-joined names in bench_ladder), beside
         # that network's own tuned bf16 step
