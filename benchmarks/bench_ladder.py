@@ -68,6 +68,10 @@ AUTO_PLANS = {
 AUTO_CALIBRATION_SETS = ";".join(
     f"amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,{tile.format(rows=rows)},"
     "allocator:expandable_segments=true" for tile in AUTO_PLANS.values() for rows in (256, 1024))
+# One set for every size (docs/techniques/tile.md, "tile:auto"): tile's levels, strips and
+# streaming picked from the budget and the image; under 2 GiB Adam's moments go to the host
+AUTO_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,tile:auto,"
+            "allocator:expandable_segments=true")
 # With 8 GiB at 4188 px nothing needs to leave the device: the 4 GiB set without offload's copies
 RESIDENT_SET = "amp:bf16,checkpoint,tile:4:keep=all,allocator:expandable_segments=true"
 

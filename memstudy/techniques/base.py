@@ -137,6 +137,12 @@ class Technique:
     # U-Net's top levels"), or False: a user's own network (model.factory) is then refused
     folded_upsampling_levels: Fact = 0  # top decoder levels that never call nearest
     # up-sampling (tile's folded up-convolution): compose.check_upsampling leaves them out
+    resolve: Callable[[Any, Plan], Any] | None = None  # the options a run uses where the plan
+    # decides them (tile:auto's pick); facts that depend on them are read through `actual`
+
+    def actual(self, options: Any, plan: Plan) -> Any:
+        """The options as the run uses them: resolved against the plan, where they need it."""
+        return options if self.resolve is None else self.resolve(options, plan)
 
     def value(self, fact: str, options: Any) -> Any:
         """A declared fact for these options."""
@@ -203,6 +209,8 @@ def _convert(tech: str, f: dataclasses.Field, hint: Any, text: str) -> Any:
     choices = f.metadata.get("choices")
     if choices and text not in choices:
         raise ConfigError(f"technique {tech}: {f.name}={text!r} is not one of {list(choices)}")
+    if text in f.metadata.get("words", ()):  # a word an option takes beside its numbers
+        return text
     base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
     kind = base[0]
     if text.lower() == "none" and type(None) in typing.get_args(hint):  # "None": canonical form

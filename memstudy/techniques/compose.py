@@ -110,7 +110,9 @@ def _images_per_forward(plan: Plan) -> int:
 
 
 def _folded_levels(plan: Plan) -> int:
-    return max((plan.techniques[name].value("folded_upsampling_levels", options)
+    techniques = plan.techniques
+    return max((techniques[name].value("folded_upsampling_levels",
+                                       techniques[name].actual(options, plan))
                 for name, options in plan.chosen.items()), default=0)
 
 

@@ -17,7 +17,7 @@ plugins import torch; tests/test_fast_errors.py checks that they agree.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from memstudy.errors import ConfigError
 from memstudy.techniques.base import Declared, Stage
@@ -33,6 +33,8 @@ DASO_WIRE = ("bf16", "fp32")  # techniques.daso.WIRE
 MIN_SPLIT_MB = 20  # PyTorch refuses max_split_size_mb below its 20 MiB large-block size
 QUANTIZATION_BACKENDS = ("x86", "fbgemm", "qnnpack")
 DEFAULT_TILES = 4
+AUTO = "auto"  # tile:auto (memstudy/tiling/auto.py)
+AUTO_PICKS = ("levels", "keep", "layer1", "rows", "stream")
 PLACEMENTS = ("block", "sqrt", "selective", "modules")
 COMPRESS_WHICH = ("all", "boundaries")
 COMPRESS_GROUPINGS = ("channel", "memory")
@@ -117,8 +119,11 @@ class PipelineOptions:
 
 @dataclass
 class TileOptions:
-    tiles: int = field(default=0, metadata={
-        "help": f"number of full-width row strips (0 with rows=0: {DEFAULT_TILES})"})
+    tiles: int | str = field(default=0, metadata={
+        "words": (AUTO,),
+        "help": f"number of full-width row strips (0 with rows=0: {DEFAULT_TILES}), or auto: "
+                "levels, strips and stream picked from the budget and the image "
+                "(memstudy/tiling/auto.py)"})
     rows: int = field(default=0, metadata={
         "help": "rows per strip at full resolution instead of a count (multiple of 2**levels)"})
     levels: int = field(default=2, metadata={
@@ -158,6 +163,9 @@ class TileOptions:
                 "fewest sweeps)"})
 
     def __post_init__(self) -> None:  # whatever the run: refused before torch loads
+        if self.tiles == AUTO:
+            self._check_auto()
+            return
         check_levels(self.levels, "tile:levels")
         check_keep(self.keep, "tile:keep")
         check_layer1(self.layer1, self.levels, "tile:layer1")
@@ -171,6 +179,17 @@ class TileOptions:
                               f"{unit}x-down-sampled grid at levels={self.levels})")
         if self.graph_limit < 1:
             raise ConfigError(f"tile:graph_limit={self.graph_limit} must be >= 1")
+
+    def _check_auto(self) -> None:
+        """tile:auto picks levels, keep, layer1, rows and stream itself: none may be given."""
+        given = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                 if f.name in AUTO_PICKS and getattr(self, f.name) != f.default]
+        if given:
+            raise ConfigError(f"tile:auto picks levels, keep, layer1, rows and stream itself; "
+                              f"drop {', '.join(given)}, or give tile's strips instead of auto")
+        if self.graphs:
+            raise ConfigError("tile:auto with graphs=true: auto may stream, which graphs cannot "
+                              "replay; drop graphs=true or give tile's options by hand")
 
 
 @dataclass

@@ -63,7 +63,7 @@ from memstudy.kernels import resolve_impl
 from memstudy.models.unet import STRIDE
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
-from memstudy.techniques.options import DEFAULT_TILES
+from memstudy.techniques.options import AUTO, DEFAULT_TILES
 from memstudy.techniques.options import TileOptions as Options
 from memstudy.tiling.graphs import CudaGraphs, TileGraphs
 from memstudy.tiling.levels import NETWORK_LEVELS, min_tile_rows
@@ -82,7 +82,41 @@ def resolved(opts: Options) -> Options:
     return replace(opts, tiles=opts.tiles or (0 if opts.rows else DEFAULT_TILES))
 
 
+def concrete(opts: Options, plan: Plan) -> Options:
+    """The options a run tiles with: tile:auto's pick (memstudy/tiling/auto.py) spelled out,
+    any other options as given."""
+    if opts.tiles != AUTO:
+        return opts
+    return replace(opts, tiles=0, rows=(chosen := auto_pick(plan)).rows, levels=chosen.levels,
+                   keep=chosen.keep, layer1=chosen.layer1, stream=chosen.stream)
+
+
+def auto_pick(plan: Plan):
+    """tile:auto's pick for this run, or a ConfigError naming what it needs."""
+    from memstudy.image_sizes import size_hw
+    from memstudy.tiling import auto
+
+    train = plan.config.train
+    if plan.budget_bytes is None:
+        raise ConfigError("tile:auto plans the strips for a memory budget; give one (your "
+                          "card's memory, e.g. --budget 24GiB) or give tile's strips by hand")
+    missing = [name for name in ("checkpoint", "offload") if not plan.has(name)]
+    if missing:
+        raise ConfigError(f"tile:auto's memory model was measured with checkpoint and offload "
+                          f"(docs/techniques/tile.md, \"tile:auto\"); add {', '.join(missing)}, "
+                          "or give tile's strips by hand")
+    hw = size_hw(train.image_size)
+    if hw is None:
+        raise ConfigError("tile:auto plans for one image size, and native images each have "
+                          "their own; give train.image_size (e.g. 4188 or 4188x3500) or tile's "
+                          "strips by hand (tile:rows=512)")
+    height, width = (-(-side // STRIDE) * STRIDE for side in hw)
+    return auto.pick(height, width, train.batch_size, plan.budget_bytes, plan.config.model,
+                     train.task, plan.has("amp"), not plan.has("offload_optim"))
+
+
 def check(opts: Options, plan: Plan) -> None:
+    opts = concrete(opts, plan)
     # levels, keep, layer1, tiles / rows and graph_limit alone: refused by Options itself
     # (memstudy/techniques/options.py), before torch loads
     halo = min_tile_rows(opts.levels, opts.keep, opts.layer1, plan.config.model.encoder)
@@ -190,7 +224,8 @@ def _check_composition(plan: Plan) -> None:
 
 
 def apply(opts: Options, build: Build) -> None:
-    opts = resolved(opts)
+    picked = auto_pick(build.plan) if opts.tiles == AUTO else None
+    opts = resolved(concrete(opts, build.plan))
     model = build.model
     if not hasattr(model, "forward_padded"):
         raise ConfigError("tile: the model has no forward_padded to tile; drop tile")
@@ -200,6 +235,8 @@ def apply(opts: Options, build: Build) -> None:
                                    "stream": opts.stream,
                                    "halo_rows": min_tile_rows(opts.levels, opts.keep, opts.layer1,
                                                               build.config.model.encoder)}
+    if picked is not None:
+        notes["auto"] = picked.record()
     if opts.stream and (sized := stream_host_bytes(opts, build.plan)) is not None:
         notes["stream_host_bytes"] = sized[0]
     build.runtime.inputs_on_host = opts.stream  # the image's strips and the target's blocks
@@ -226,5 +263,5 @@ def _graph_rows(graphs: TileGraphs, rank: int) -> list[tuple[int, int, str, floa
 register(Technique("tile", Stage.ACTIVATION, Options,
                    "exact row-strip tiling of the top U-Net levels (BatchNorm statistics of the "
                    "whole image): boundaries only in memory, tiles recomputed in backward",
-                   apply, check, folded_upsampling_levels=folded_levels,
+                   apply, check, folded_upsampling_levels=folded_levels, resolve=concrete,
                    needs_unet="tiles the U-Net's stem, residual blocks and decoder blocks"))

@@ -1,0 +1,194 @@
+"""tile:auto: tile's levels, strips and streaming picked from the budget and the image.
+
+A plan is one of three measured ways to tile (PLANS, fastest first): levels=2 with every
+decoder convolution kept, levels=3 and levels=4 with layer1 cut at its convolutions, levels=4
+with its boundaries in host memory (`stream`). Its strips are the tallest that fit: fewer
+strips are fewer halo rows recomputed and fewer launches.
+
+What fits is predicted by a model of the training step's device peak (its backward's: the
+loss and validation size their blocks from the memory left, memstudy/quality.py):
+
+    peak = state + c + ku * v * H * W * e + kw * t * (rows + halo) * W * e
+
+`state`: parameters and gradients (float32), and Adam's two moments unless offload_optim
+holds them; `v` and `t`: the network's activation elements per full-resolution pixel below and
+inside the tiled levels (every leaf module's output, counted on the meta device, so a
+ResNet-50 or ResNeXt encoder scales the prediction by its own shapes); `e`: bytes per element
+(2 under amp, else 4); `rows + halo`: one strip's rows. The constants c, ku, kw are fitted per
+plan, by least squares, to the allocator peaks measured on an H200 (CALIBRATION: 2048 and
+4096 px, 256 and 1024 rows, benchmarks/results/h200/auto-calibration/); they predict the
+streamed 8192-16384 px steps 5-15% above what they measured (tests/test_tile_auto.py), on the
+safe side. The allowance for the CUDA context is its size after warm-up on that H200; the
+run records the context it actually measured (docs/budget.md), and a GPU with a larger one
+leaves less: hence the MARGIN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from memstudy.byte_sizes import size_text
+from memstudy.errors import ConfigError
+from memstudy.models.unet import STRIDE
+from memstudy.tiling.levels import min_tile_rows
+
+MIB = 1 << 20
+# name -> (levels, keep, layer1, stream): the plans, fastest first (measured at 4096 px, 1024
+# rows, H200: 0.242 / 0.361 / 0.727 s a step, results/h200/auto-calibration/size-4096/)
+PLANS = {
+    "levels2": (2, "all", "whole", False),
+    "levels3": (3, "conv1", "convs", False),
+    "levels4-stream": (4, "conv1", "convs", True),
+}
+# (plan, side px, rows, the backward's absolute allocator peak in MiB): resnet34 U-Net,
+# amp:bf16, checkpoint, offload:which=boundaries, batch 1, unconstrained, Adam on the device;
+# NVIDIA H200, 2026-11-28, benchmarks/results/h200/auto-calibration/size-*/native.sqlite
+CALIBRATION = [
+    ("levels2", 2048, 256, 732.4), ("levels2", 2048, 1024, 977.1),
+    ("levels2", 4096, 256, 1920.9), ("levels2", 4096, 1024, 2412.9),
+    ("levels3", 2048, 256, 609.5), ("levels3", 2048, 1024, 971.7),
+    ("levels3", 4096, 256, 1353.6), ("levels3", 4096, 1024, 2071.2),
+    ("levels4-stream", 2048, 256, 457.6), ("levels4-stream", 2048, 1024, 824.0),
+    ("levels4-stream", 4096, 256, 741.6), ("levels4-stream", 4096, 1024, 1416.4),
+]
+CALIBRATION_NETWORK = ("resnet34", 16)  # encoder, state bytes per parameter (Adam on device)
+CONTEXT_AFTER_WARMUP = 1352 * MIB  # the largest measured there (stream-4188-2gib/native.sqlite)
+MARGIN = 0.9  # of what the context leaves: the model's error, a larger context, fragmentation
+MIN_ROWS = 256  # a faster plan is taken only with strips at least this tall (or the image)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """What tile:auto chose, and why: recorded in the run's notes (tile.auto)."""
+    plan: str
+    levels: int
+    keep: str
+    layer1: str
+    stream: bool
+    rows: int
+    predicted_bytes: int
+    available_bytes: int
+
+    def record(self) -> dict:
+        return {"plan": self.plan, "rows": self.rows, "predicted_peak_bytes":
+                self.predicted_bytes, "available_bytes": self.available_bytes}
+
+
+def pick(height: int, width: int, batch: int, budget: int, network, task: str,
+         amp: bool, optim_on_device: bool) -> Pick:
+    """The fastest plan, with its tallest strips, whose predicted peak fits `budget` (bytes,
+    CUDA context included) for a padded height x width; ConfigError when none does."""
+    key = (network.encoder, tuple(network.decoder_channels), network.in_channels,
+           network.classes, task)  # a hashable ModelConfig: the picks are cached
+    return _pick(height, width, batch, budget, key, amp, optim_on_device)
+
+
+@lru_cache(maxsize=16)
+def _pick(height, width, batch, budget, key, amp, optim_on_device) -> Pick:
+    available = int((budget - CONTEXT_AFTER_WARMUP) * MARGIN)
+    shapes = _Shapes.of(key)
+    encoder = key[0]
+    element = 2 if amp else 4
+    state = shapes.parameters * (16 if optim_on_device else 8)
+    last = list(PLANS)[-1]
+    for name, (levels, keep, layer1, stream) in PLANS.items():
+        halo = min_tile_rows(levels, keep, layer1, encoder)
+        floor = max(2 * halo, 2 ** levels) if name == last else min(MIN_ROWS, height)
+        for rows in _strip_heights(height, 2 ** levels, floor):
+            predicted = state + batch * _activations(name, shapes, levels, height, width,
+                                                     rows + halo, element)
+            if predicted <= available:
+                return Pick(name, levels, keep, layer1, stream, rows, int(predicted),
+                            available)
+    raise ConfigError(
+        f"tile:auto finds no plan for {height} x {width} px, batch {batch}, under "
+        f"{size_text(budget)}: even {last} with its narrowest strips is predicted to need "
+        f"more than the {size_text(max(available, 0))} left beside the CUDA context; raise "
+        "the budget, lower the size or batch, or add offload_optim")
+
+
+def _strip_heights(height: int, unit: int, floor: int):
+    """Strip heights from the whole image down to `floor`, multiples of `unit`, tallest first:
+    one per strip count."""
+    seen = set()
+    for strips in range(1, height // unit + 1):
+        rows = -(-height // strips // unit) * unit
+        if rows < floor:
+            return
+        if rows not in seen:
+            seen.add(rows)
+            yield rows
+
+
+def _activations(plan: str, shapes: "_Shapes", levels: int, height: int, width: int,
+                 strip_rows: int, element: int) -> float:
+    c, ku, kw = _fitted()[plan]
+    below, inside = shapes.split(levels)
+    return c + ku * below * height * width * element + kw * inside * strip_rows * width * element
+
+
+@lru_cache(maxsize=1)
+def _fitted() -> dict[str, tuple[float, float, float]]:
+    """(c, ku, kw) per plan: the least-squares fit of the model to CALIBRATION."""
+    import numpy as np
+
+    from memstudy.network import DEFAULT_DECODER_CHANNELS
+
+    encoder, per_parameter = CALIBRATION_NETWORK
+    shapes = _Shapes.of((encoder, tuple(DEFAULT_DECODER_CHANNELS), 1, 1, "enhance"))
+    fits = {}
+    for name, (levels, keep, layer1, _) in PLANS.items():
+        halo = min_tile_rows(levels, keep, layer1, encoder)
+        below, inside = shapes.split(levels)
+        points = [(side, rows, peak) for plan, side, rows, peak in CALIBRATION if plan == name]
+        terms = np.array([[1.0, below * side * side * 2, inside * (rows + halo) * side * 2]
+                          for side, rows, _ in points])
+        measured = np.array([peak * MIB - shapes.parameters * per_parameter
+                             for *_, peak in points])
+        fits[name] = tuple(float(v) for v in np.linalg.lstsq(terms, measured, rcond=None)[0])
+    return fits
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """A network's parameters and its activation elements per full-resolution pixel at each
+    down-sampling (1, 2, 4 .. 32): the outputs of its leaf modules, counted on the meta device."""
+    parameters: int
+    per_pixel: tuple[tuple[int, float], ...]
+
+    def split(self, levels: int) -> tuple[float, float]:
+        """(elements per pixel below the tiled levels, inside them)."""
+        below = sum(n for down, n in self.per_pixel if down >= 2 ** levels)
+        return below, sum(n for down, n in self.per_pixel if down < 2 ** levels)
+
+    @staticmethod
+    @lru_cache(maxsize=8)
+    def of(key: tuple) -> "_Shapes":
+        """key: (encoder, decoder channels, in channels, classes, task)."""
+        import torch
+
+        from memstudy.models import build_unet
+        from memstudy.network import ModelConfig
+
+        encoder, decoder, in_channels, classes, task = key
+        network = ModelConfig(encoder=encoder, decoder_channels=list(decoder),
+                              in_channels=in_channels, classes=classes)
+        side = 8 * STRIDE
+        with torch.device("meta"):
+            unet = build_unet(network=network, task=task)
+        counts: dict[int, float] = {}
+
+        def count(_module, _inputs, out):
+            if isinstance(out, torch.Tensor) and out.dim() == 4:
+                down = side // out.shape[-2]
+                counts[down] = counts.get(down, 0.0) + out.numel() / side ** 2
+
+        leaves = [m for m in unet.modules() if not list(m.children())]
+        hooks = [m.register_forward_hook(count) for m in leaves]
+        try:
+            with torch.no_grad():
+                unet(torch.empty(1, in_channels, side, side, device="meta"))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return _Shapes(sum(p.numel() for p in unet.parameters()), tuple(sorted(counts.items())))
