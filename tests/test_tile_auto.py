@@ -124,3 +124,27 @@ def test_what_auto_cannot_plan_is_refused_before_anything_runs(techniques, budge
                                                                 refusal):
     with pytest.raises(ConfigError, match=refusal):
         cuda_plan(techniques, size, budget)
+
+
+def test_a_run_records_its_techniques_notes():
+    """The run's record keeps the techniques' notes (env "notes"): how tile ran, which is
+    where tile:auto's pick is read back (a CPU run of tile itself: auto needs offload)."""
+    from memstudy.runner import execute
+
+    rec = execute(small_config(192, techniques=["tile:2"]), None)
+    assert rec.status == "ok", rec.error
+    assert rec.env["notes"]["tile"]["tiles"] == 2 and rec.env["notes"]["tile"]["levels"] == 2
+    assert "auto" not in rec.env["notes"]["tile"]
+
+
+def test_memstudy_run_says_what_auto_picked():
+    from memstudy.cli import summarize
+    from memstudy.store import RunRecord
+
+    chosen = pick(16384, 8)
+    notes = {"tile": {"levels": chosen.levels, "stream": chosen.stream, "auto": chosen.record()}}
+    rec = RunRecord(config={"train": {"image_size": 16384, "batch_size": 1}, "world_size": 1},
+                    config_hash="h", name="tile:auto", status="ok",
+                    env={"device": "cuda:0", "notes": notes}, started_at=0.0)
+    assert (f"tile:auto picked levels4-stream: levels=4, {chosen.rows}-row strips, "
+            "stream=True (predicted peak") in summarize(rec)
