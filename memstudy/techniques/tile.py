@@ -27,7 +27,9 @@ launch per tile, for staging copies of each strip and a memory pool that holds o
 working memory for the whole step.
 
 Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`, `tile:16:keep=conv1`, `tile:16:graphs=true`):
-- `tiles` (positional): number of row strips (near-equal; 0 with rows=0 means 4);
+- `tiles` (positional): number of row strips (near-equal; 0 with rows=0 means 4), or `auto`:
+  levels, keep, layer1, rows and stream picked from the budget and the image by a memory model
+  fitted to measured peaks (memstudy/tiling/auto.py; needs checkpoint, offload and a budget);
 - `rows`: rows per strip at full resolution instead (a multiple of 2**levels; the last strip
   may be shorter);
 - `levels`: 2 = full + half resolution (stem, decoder blocks 3-4, head); 1 = full resolution
