@@ -74,6 +74,22 @@ def test_the_fastest_plan_that_fits_with_its_tallest_strips():
     assert pick(4192, 16).rows == 4192  # room for the whole image in one strip
 
 
+@pytest.mark.parametrize("side, budget, optim_on_device, plan, rows", [
+    (4192, 4, True, "levels2", 840),           # 4188 px padded: 5 strips
+    (4192, 2, False, "levels4-stream", 304),   # with offload_optim: 14 strips
+    (4192, 8, True, "levels2", 4192),          # the whole image in one strip
+    (8192, 8, True, "levels3", 1176),          # 7 strips
+    (12288, 8, True, "levels4-stream", 1376),  # 9 strips
+    (16384, 8, True, "levels4-stream", 752),   # 22 strips
+])
+def test_the_picks_for_the_studys_sizes_and_budgets_are_pinned(side, budget, optim_on_device,
+                                                                plan, rows):
+    """The picks measured (docs/techniques/tile.md, "tile:auto") and those still to measure: a
+    change of the model, its calibration or its margin shows here first."""
+    chosen = pick(side, budget, optim_on_device=optim_on_device)
+    assert (chosen.plan, chosen.rows) == (plan, rows)
+
+
 def test_a_larger_encoder_gets_no_taller_strips():
     """ResNet-50's activations per pixel are larger than ResNet-34's: under the same budget its
     pick is the same plan with strips no taller, or a more frugal plan."""

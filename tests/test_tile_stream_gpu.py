@@ -141,3 +141,55 @@ def test_validation_figures_of_a_host_target_equal_the_device_targets():
     assert on_host.keys() == on_device.keys()
     for name, value in on_device.items():
         assert abs(on_host[name] - value) <= 1e-6 * max(1.0, abs(value)), name
+
+
+def test_levels4_stream_step_equals_the_untiled_step_in_float64():
+    """levels=4 with stream (layer2 and decoder block 1 tiled, boundaries on the host) against
+    the plain untiled network on the GPU: float64, relative 1e-10 for the output, the input's
+    gradient and every parameter's gradient."""
+    def step(tiled: bool):
+        torch.manual_seed(0)
+        model = build_unet(seed=0).to("cuda", torch.float64).train()
+        if tiled:
+            model.forward_padded = TiledForward(model, levels=4, tiles=3, layer1="convs",
+                                                kernels="torch", stream=True)
+        g = torch.Generator().manual_seed(2)
+        x = torch.rand(1, 1, 768, 512, generator=g, dtype=torch.float64).cuda()
+        y = torch.rand(1, 1, 768, 512, generator=g, dtype=torch.float64).cuda()
+        x.requires_grad_(True)
+        out = model(x)
+        ((out - y) ** 2).mean().backward()
+        return [out.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+    for a, b in zip(step(False), step(True)):
+        assert ((a - b).norm() / a.norm().clamp_min(1e-30)).item() < 1e-10
+
+
+def test_a_16384_px_step_trains_under_an_8_gib_cap_with_tile_auto(tmp_path):
+    """memstudy run at 16384 x 16384 with tile:auto under --budget 8GiB (CUDA context
+    included): one measured step and validation, in its own process (the budget caps the
+    process's allocator); status ok, NVML peak within the budget, the pick recorded."""
+    import json
+    import sqlite3
+    import subprocess
+    import sys
+
+    from memstudy.byte_sizes import parse_bytes
+
+    db = tmp_path / "auto.sqlite"
+    techniques = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,tile:auto,"
+                  "allocator:expandable_segments=true")
+    done = subprocess.run(
+        [sys.executable, "-m", "memstudy", "--db", str(db), "run", "--size", "16384",
+         "-t", techniques, "--device", "cuda", "--budget", "8GiB", "--steps", "1", "-q",
+         "--set", "train.warmup_steps=0", "--set", "train.measure_steps=1",
+         "--set", "data.train_images=1", "--set", "data.val_images=1"],
+        capture_output=True, text=True, timeout=570)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with sqlite3.connect(db) as con:
+        status, env = con.execute("select status, env_json from runs").fetchone()
+        nvml = con.execute("select value from metrics where phase = 'run' and "
+                           "name = 'nvml_peak_total_bytes'").fetchone()[0]
+    assert status == "ok"
+    assert nvml <= parse_bytes("8GiB")
+    assert json.loads(env)["notes"]["tile"]["auto"]["plan"] == "levels4-stream"
