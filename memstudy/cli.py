@@ -102,12 +102,9 @@ def summarize(rec) -> str:
         if rank == shown:
             metrics.setdefault(phase, {})[name] = value
     lines = [head]
-    if picked := rec.env.get("notes", {}).get("tile", {}).get("auto"):
-        tile = rec.env["notes"]["tile"]
-        lines.append(f"tile:auto picked {picked['plan']}: levels={tile['levels']}, "
-                     f"{picked['rows']}-row strips, stream={tile['stream']} (predicted peak "
-                     f"{mb(picked['predicted_peak_bytes']):.0f} MB of "
-                     f"{mb(picked['available_bytes']):.0f} MB beside the CUDA context)")
+    for note in rec.env.get("notes", {}).values():  # what a technique says of how it ran
+        if isinstance(note, dict) and "says" in note:
+            lines.append(note["says"])
     if world > 1:
         lines.append(f"per-rank maximum over {world} ranks (each rank's rows, and the mean as "
                      f"rank {RANK_MEAN}, are in the database)")

@@ -158,9 +158,10 @@ def test_memstudy_run_says_what_auto_picked():
     from memstudy.store import RunRecord
 
     chosen = pick(16384, 8)
-    notes = {"tile": {"levels": chosen.levels, "stream": chosen.stream, "auto": chosen.record()}}
+    notes = {"tile": {"levels": chosen.levels, "auto": chosen.record(), "says": chosen.says()},
+             "val_tiling": "tiled: levels=4"}
     rec = RunRecord(config={"train": {"image_size": 16384, "batch_size": 1}, "world_size": 1},
                     config_hash="h", name="tile:auto", status="ok",
                     env={"device": "cuda:0", "notes": notes}, started_at=0.0)
-    assert (f"tile:auto picked levels4-stream: levels=4, {chosen.rows}-row strips, "
+    assert (f"\ntile:auto picked levels4-stream: levels=4, {chosen.rows}-row strips, "
             "stream=True (predicted peak") in summarize(rec)

@@ -238,7 +238,7 @@ def apply(opts: Options, build: Build) -> None:
                                    "halo_rows": min_tile_rows(opts.levels, opts.keep, opts.layer1,
                                                               build.config.model.encoder)}
     if picked is not None:
-        notes["auto"] = picked.record()
+        notes["auto"], notes["says"] = picked.record(), picked.says()
     if opts.stream and (sized := stream_host_bytes(opts, build.plan)) is not None:
         notes["stream_host_bytes"] = sized[0]
     build.runtime.inputs_on_host = opts.stream  # the image's strips and the target's blocks

@@ -73,6 +73,12 @@ class Pick:
         return {"plan": self.plan, "rows": self.rows, "predicted_peak_bytes":
                 self.predicted_bytes, "available_bytes": self.available_bytes}
 
+    def says(self) -> str:
+        """One line for the person who started the run."""
+        return (f"tile:auto picked {self.plan}: levels={self.levels}, {self.rows}-row strips, "
+                f"stream={self.stream} (predicted peak {self.predicted_bytes / MIB:.0f} MiB of "
+                f"{self.available_bytes / MIB:.0f} MiB planned beside the CUDA context)")
+
 
 def pick(height: int, width: int, batch: int, budget: int, network, task: str,
          amp: bool, optim_on_device: bool) -> Pick:
