@@ -17,7 +17,7 @@ from memstudy.image_sizes import check_input_fits, parse_size
 from memstudy.store import RANK_MAX, RANK_MEAN, ResultsDB, check_writable, default_db_path
 from memstudy.text_table import phase_table
 from memstudy.did_train import describe, loss_ranges
-from memstudy.byte_sizes import mb
+from memstudy.byte_sizes import mb, size_text
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -67,6 +67,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     # parsed is handed down, so the run parses nothing again
     checked = check_early(cfg)
     check_input_fits(cfg.train.image_size, cfg.train.batch_size)  # refused, never recorded
+    if args.dry_run:
+        print(dry_run(cfg, checked))
+        return 0
     check_writable(args.db)  # before anything trains: a run that cannot be stored is lost
     from memstudy.launch_ranks import launched_by_torchrun, run_distributed
     from memstudy.runner import execute
@@ -83,6 +86,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(summarize(rec))
     print(f"stored in {db.path}")
     return 0 if rec.status == "ok" else 1
+
+
+def dry_run(cfg: RunConfig, checked) -> str:
+    """The run planned as `memstudy run` would plan it (every refusal included), and what each
+    technique says of how it resolves; nothing built, trained or recorded. A CUDA device is
+    planned as one GPU of that kind even where this machine has none."""
+    import torch
+
+    from memstudy.techniques.compose import make_plan
+
+    device = str(cfg.train.device)
+    cuda = torch.device(device) if device.startswith("cuda") else None
+    plan = make_plan(cfg, checked=checked, device=cuda, n_gpus=None if cuda is None else 1)
+    t, network = cfg.train, cfg.model
+    lines = [f"planned: {t.image_size} px, batch {t.batch_size}, {plan.device}, budget "
+             f"{size_text(plan.budget_bytes) if plan.budget_bytes else 'none'}, "
+             f"{network.factory or network.encoder} U-Net, {t.task}",
+             "techniques: " + (", ".join(plan.applied()) or "none")]
+    for name, options in plan.chosen.items():
+        if (said := plan.techniques[name].explained(options, plan)):
+            lines.append(said)
+    return "\n".join([*lines, "nothing trained or recorded (--dry-run)"])
 
 
 def not_trained_reason(rec) -> str:
@@ -498,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train one configuration and record its per-phase memory")
     add_run_args(run)
     run.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    run.add_argument("--dry-run", action="store_true", help="plan the run and say how each "
+                     "technique resolves (tile:auto's pick and its predicted peak); train and "
+                     "record nothing (a GPU run may be planned on a machine without one)")
     run.set_defaults(func=cmd_run)
     tech = sub.add_parser("techniques", help="list techniques and their options")
     tech.set_defaults(func=cmd_techniques)

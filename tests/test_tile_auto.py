@@ -100,7 +100,7 @@ def test_a_larger_encoder_gets_no_taller_strips():
 
 
 def test_no_plan_is_one_line_naming_what_to_change():
-    with pytest.raises(ConfigError, match=r"tile:auto finds no plan for 16384 x 16384 px, "
+    with pytest.raises(ConfigError, match=r"tile:auto finds no plan for 16384 x 16384 px \(padded\), "
                                           r"batch 1, under 1\.5GiB.*raise the budget"):
         pick(16384, 1.5)
 
@@ -165,3 +165,26 @@ def test_memstudy_run_says_what_auto_picked():
                     env={"device": "cuda:0", "notes": notes}, started_at=0.0)
     assert (f"\ntile:auto picked levels4-stream: levels=4, {chosen.rows}-row strips, "
             "stream=True (predicted peak") in summarize(rec)
+
+
+def test_a_dry_run_says_the_pick_and_records_nothing(tmp_path, capsys):
+    """memstudy run --dry-run plans a GPU run on this CPU machine: the pick and its predicted
+    peak for a ResNet-50 U-Net, no database written."""
+    from memstudy.cli import main
+
+    db = tmp_path / "runs.sqlite"
+    code = main(["--db", str(db), "run", "--dry-run", "-t", SET, "--device", "cuda",
+                 "--size", "4188", "--budget", "4GiB", "--set", "model.encoder=resnet50"])
+    said = capsys.readouterr().out
+    chosen = pick(4192, 4, "resnet50")
+    assert code == 0 and not db.exists()
+    assert "resnet50 U-Net" in said and chosen.says() in said
+    assert said.rstrip().endswith("nothing trained or recorded (--dry-run)")
+
+
+def test_a_stream_auto_picked_that_the_host_cannot_hold_names_the_budget(monkeypatch):
+    from memstudy import image_sizes
+
+    monkeypatch.setattr(image_sizes, "host_memory_bytes", lambda: 8 * GiB)
+    with pytest.raises(ConfigError, match=r"or a larger budget \(tile:auto streamed"):
+        cuda_plan(SET, 16384, "8GiB")

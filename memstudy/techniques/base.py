@@ -139,6 +139,12 @@ class Technique:
     # up-sampling (tile's folded up-convolution): compose.check_upsampling leaves them out
     resolve: Callable[[Any, Plan], Any] | None = None  # the options a run uses where the plan
     # decides them (tile:auto's pick); facts that depend on them are read through `actual`
+    explain: Callable[[Any, Plan], str | None] | None = None  # a line on how the plan
+    # resolves it, for `memstudy run --dry-run` (tile:auto's pick, stream's host memory)
+
+    def explained(self, options: Any, plan: Plan) -> str | None:
+        """What it says of how the plan resolves it (memstudy run --dry-run), or None."""
+        return None if self.explain is None else self.explain(options, plan)
 
     def actual(self, options: Any, plan: Plan) -> Any:
         """The options as the run uses them: resolved against the plan, where they need it."""

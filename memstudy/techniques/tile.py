@@ -118,6 +118,7 @@ def auto_pick(plan: Plan):
 
 
 def check(opts: Options, plan: Plan) -> None:
+    auto = opts.tiles == AUTO
     opts = concrete(opts, plan)
     # levels, keep, layer1, tiles / rows and graph_limit alone: refused by Options itself
     # (memstudy/techniques/options.py), before torch loads
@@ -141,7 +142,7 @@ def check(opts: Options, plan: Plan) -> None:
                           "between tiled regions and the stem reads the whole image; use "
                           "levels 2, 3 or 4 with stream")
     if opts.stream:
-        check_stream_host_memory(opts, plan)
+        check_stream_host_memory(opts, plan, auto)
     resolve_impl(opts.norm, plan.device, "tile:norm")
     if opts.levels >= 3 and plan.has("invertible"):
         tiled = "layer1" + " and layer2" * (opts.levels > 3)
@@ -181,10 +182,10 @@ def stream_host_bytes(opts: Options, plan: Plan) -> tuple[int, list[str]] | None
             sorted(tiled.host_outputs()))
 
 
-def check_stream_host_memory(opts: Options, plan: Plan) -> None:
+def check_stream_host_memory(opts: Options, plan: Plan, auto: bool = False) -> None:
     """Refuse, before anything is built, a stream whose host boundaries and their gradients
     (in backward a host input's gradient adds up beside it: at most as much again) exceed
-    this host's memory."""
+    this host's memory. `auto`: tile:auto chose the stream, so the fix is not to drop it."""
     from memstudy.byte_sizes import size_text
     from memstudy.image_sizes import host_memory_bytes, size_label
 
@@ -196,7 +197,21 @@ def check_stream_host_memory(opts: Options, plan: Plan) -> None:
                       f"{size_text(kept)} of boundaries in host memory ({', '.join(names)}) and "
                       f"up to as much again of their gradients in backward, "
                       f"{size_text(2 * kept)}, more than this host's {size_text(have)}; choose "
-                      "a smaller size or batch, or drop tile:stream")
+                      "a smaller size or batch, or " + (
+                          "a larger budget (tile:auto streamed: no plan on the device fits)"
+                          if auto else "drop tile:stream"))
+
+
+def explain(opts: Options, plan: Plan) -> str | None:
+    """tile:auto's pick and what stream keeps in host memory, as the plan resolves them."""
+    from memstudy.byte_sizes import size_text
+
+    lines = [auto_pick(plan).says()] if opts.tiles == AUTO else []
+    actual = concrete(opts, plan)
+    if actual.stream and (sized := stream_host_bytes(actual, plan)) is not None:
+        lines.append(f"tile:stream keeps {size_text(sized[0])} of boundaries in host memory, "
+                     "and up to as much again of their gradients in backward")
+    return "\n".join(lines) or None
 
 
 def _padded_height(size) -> int | None:
@@ -266,4 +281,5 @@ register(Technique("tile", Stage.ACTIVATION, Options,
                    "exact row-strip tiling of the top U-Net levels (BatchNorm statistics of the "
                    "whole image): boundaries only in memory, tiles recomputed in backward",
                    apply, check, folded_upsampling_levels=folded_levels, resolve=concrete,
+                   explain=explain,
                    needs_unet="tiles the U-Net's stem, residual blocks and decoder blocks"))

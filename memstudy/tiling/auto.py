@@ -107,7 +107,7 @@ def _pick(height, width, batch, budget, key, amp, optim_on_device) -> Pick:
                 return Pick(name, levels, keep, layer1, stream, rows, int(predicted),
                             available)
     raise ConfigError(
-        f"tile:auto finds no plan for {height} x {width} px, batch {batch}, under "
+        f"tile:auto finds no plan for {height} x {width} px (padded), batch {batch}, under "
         f"{size_text(budget)}: even {last} with its narrowest strips is predicted to need "
         f"more than the {size_text(max(available, 0))} left beside the CUDA context; raise "
         "the budget, lower the size or batch, or add offload_optim")
