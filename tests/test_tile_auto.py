@@ -72,6 +72,9 @@ def test_the_fastest_plan_that_fits_with_its_tallest_strips():
     assert list(auto.PLANS).index(taller.plan) <= list(auto.PLANS).index(at_8gib.plan)
     assert taller.plan != at_8gib.plan or taller.rows >= at_8gib.rows
     assert pick(4192, 16).rows == 4192  # room for the whole image in one strip
+    one, two = pick(4192, 4), pick(4192, 4, batch=2)  # two images: each term but the constant
+    assert (two.plan, two.rows) != (one.plan, one.rows)
+    assert two.predicted_bytes <= two.available_bytes
 
 
 @pytest.mark.parametrize("side, budget, optim_on_device, plan, rows", [

@@ -101,8 +101,8 @@ def _pick(height, width, batch, budget, key, amp, optim_on_device) -> Pick:
         halo = min_tile_rows(levels, keep, layer1, encoder)
         floor = max(2 * halo, 2 ** levels) if name == last else min(MIN_ROWS, height)
         for rows in _strip_heights(height, 2 ** levels, floor):
-            predicted = state + batch * _activations(name, shapes, levels, height, width,
-                                                     rows + halo, element)
+            predicted = state + _activations(name, shapes, levels, height, width,
+                                             rows + halo, element, batch)
             if predicted <= available:
                 return Pick(name, levels, keep, layer1, stream, rows, int(predicted),
                             available)
@@ -127,10 +127,12 @@ def _strip_heights(height: int, unit: int, floor: int):
 
 
 def _activations(plan: str, shapes: "_Shapes", levels: int, height: int, width: int,
-                 strip_rows: int, element: int) -> float:
+                 strip_rows: int, element: int, batch: int = 1) -> float:
+    """The model's peak beside the state: its constant, and per image the untiled levels'
+    and one strip's bytes."""
     c, ku, kw = _fitted()[plan]
     below, inside = shapes.split(levels)
-    return c + ku * below * height * width * element + kw * inside * strip_rows * width * element
+    return c + batch * element * width * (ku * below * height + kw * inside * strip_rows)
 
 
 @lru_cache(maxsize=1)
