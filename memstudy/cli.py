@@ -102,7 +102,7 @@ def dry_run(cfg: RunConfig, checked) -> str:
     t, network = cfg.train, cfg.model
     lines = [f"planned: {t.image_size} px, batch {t.batch_size}, {plan.device}, budget "
              f"{size_text(plan.budget_bytes) if plan.budget_bytes else 'none'}, "
-             f"{network.factory or network.encoder} U-Net, {t.task}",
+             f"{network.factory or network.encoder + ' U-Net'}, {t.task}",
              "techniques: " + (", ".join(plan.applied()) or "none")]
     for name, options in plan.chosen.items():
         if (said := plan.techniques[name].explained(options, plan)):
