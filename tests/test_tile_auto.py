@@ -20,6 +20,14 @@ RESNET34 = ("resnet34", (256, 128, 64, 32, 16), 1, 1, "enhance")
 SET = "amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,tile:auto"
 
 
+@pytest.fixture(autouse=True)
+def fresh_caches():
+    """Every test computes its picks: none is served from an earlier test's cache (a forked
+    mutation run would otherwise keep the parent's picks)."""
+    for cached in (auto._pick, auto._fitted, auto._Shapes.of):
+        cached.cache_clear()
+
+
 def predicted_mib(plan: str, side: int, rows: int, state_per_parameter: int = 16) -> float:
     levels, keep, layer1, _ = auto.PLANS[plan]
     halo = auto.min_tile_rows(levels, keep, layer1, "resnet34")
@@ -68,6 +76,13 @@ def test_the_fastest_plan_that_fits_with_its_tallest_strips():
     for chosen in (at_4gib, at_8gib):
         assert chosen.predicted_bytes <= chosen.available_bytes
         assert chosen.rows % 2 ** chosen.levels == 0
+    assert at_8gib.record() == {"plan": "levels4-stream", "rows": at_8gib.rows,
+                                "predicted_peak_bytes": at_8gib.predicted_bytes,
+                                "available_bytes": at_8gib.available_bytes}
+    assert at_8gib.says() == (
+        f"tile:auto picked levels4-stream: levels=4, {at_8gib.rows}-row strips, stream=True "
+        f"(predicted peak {at_8gib.predicted_bytes / MiB:.0f} MiB of "
+        f"{at_8gib.available_bytes / MiB:.0f} MiB planned beside the CUDA context)")
     taller = pick(16384, 8.5)  # more memory: no narrower strips, no slower plan
     assert list(auto.PLANS).index(taller.plan) <= list(auto.PLANS).index(at_8gib.plan)
     assert taller.plan != at_8gib.plan or taller.rows >= at_8gib.rows
