@@ -206,3 +206,22 @@ def test_a_stream_auto_picked_that_the_host_cannot_hold_names_the_budget(monkeyp
     monkeypatch.setattr(image_sizes, "host_memory_bytes", lambda: 8 * GiB)
     with pytest.raises(ConfigError, match=r"or a larger budget \(tile:auto streamed"):
         cuda_plan(SET, 16384, "8GiB")
+
+
+def test_strip_heights_are_each_strip_counts_rows_on_the_grid_down_to_the_floor():
+    """One height per strip count, tallest first, each the count's share rounded up to the
+    grid, repeats left out, the floor itself included."""
+    assert list(auto._strip_heights(64, 16, 16)) == [64, 32, 16]  # 3 strips: 32 again
+    heights = list(auto._strip_heights(4192, 16, 1000))
+    assert heights == [4192, 2096, 1408, 1056] and all(type(h) is int for h in heights)
+
+
+def test_the_network_is_split_at_the_tiled_levels():
+    """ResNet-34 U-Net's leaf outputs per full-resolution pixel by down-sampling (1: decoder
+    block 4 and the head, 2: the stem and block 3, ... 32: layer4), split below / inside the
+    tiled levels: levels=2 tiles downs 1 and 2, 3 also 4, 4 also 8."""
+    shapes = auto._Shapes.of(RESNET34)
+    assert shapes.per_pixel == ((1, 115.0), (2, 136.0), (4, 116.0), (8, 72.0), (16, 48.0),
+                                (32, 10.5))
+    assert [shapes.split(levels) for levels in (2, 3, 4)] == [
+        (246.5, 251.0), (130.5, 367.0), (58.5, 439.0)]
