@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import os
 import random
 import time
@@ -132,7 +131,7 @@ def execute(config: RunConfig, db: ResultsDB | None,
         _read_back_allocator(record, device)
     if build is not None:  # rows recorded by techniques (e.g. tri_accel's control steps)
         record.series = [*record.series, *(r for src in build.runtime.series_sources for r in src())]
-        record.env["notes"] = recorded_notes(build.notes)
+        record.env["notes"] = build.notes  # how techniques ran; the store writes it as JSON
     record = gather_record(record)  # distributed: rank 0 merges every rank's measurements
     # from the losses the loop read anyway: no sync was added to any step (memstudy.did_train)
     record.trained = judge(loss_ranges(record.series).values())
@@ -140,12 +139,6 @@ def execute(config: RunConfig, db: ResultsDB | None,
         db.record(record)
     _release(device)
     return record
-
-
-def recorded_notes(notes: dict) -> dict:
-    """The techniques' notes as the run's record keeps them (env "notes": what tile:auto picked,
-    how validation was tiled, ...): JSON values, anything else by its text."""
-    return json.loads(json.dumps(notes, default=str))
 
 
 def parameter_floor(plan) -> int:
