@@ -57,7 +57,7 @@ for item in $STEPS; do
     echo "=== $step $(date +%T) (limit ${limit}s)"
     PY="timeout --signal=INT --kill-after=20 $limit python3"
     case "$step" in
-        tests) $PY -m pytest -q -m "gpu or multigpu" ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider tests 2>&1 | tee "$RES/gpu-tests.log" ;;
+        tests) $PY -m pytest -q -m "(gpu or multigpu) and not large" --durations=30 ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider tests 2>&1 | tee "$RES/gpu-tests.log" ;;
         foundation) $PY benchmarks/bench_foundation.py --db "$DB" --md "$RES/foundation.md" 2>&1 | tee "$RES/foundation.log" ;;
         techniques) $PY benchmarks/bench_techniques.py --skip loss --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
         techniques-loss) $PY benchmarks/bench_techniques.py --skip memory --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques-loss.md" 2>&1 | tee "$RES/techniques-loss.log" ;;
@@ -123,7 +123,7 @@ for item in $STEPS; do
             for size in ${AUTO_SIZES:-4188 8192}; do
                 $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto.log"
             done ;;
-        tile-auto-large) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_tile_stream_gpu.py -k 16384 2>&1 | tee "$RES/tile-auto-16384-test.log"
+        tile-auto-large) $PY -m pytest -q -m large -p no:cacheprovider tests/test_tile_stream_gpu.py 2>&1 | tee "$RES/tile-auto-16384-test.log"
             set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
             for size in ${AUTO_LARGE_SIZES:-12288 16384}; do
                 $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto.log"

@@ -125,6 +125,17 @@ def check_device_total(limit: int, total: int, name: str) -> None:
                           f"{name}; lower --budget to at most {mb(total):.0f}MiB or drop it")
 
 
+def check_warmup(limit: int | None, device: torch.device, warmup_steps: int) -> None:
+    """Refuse a CUDA budget without a warm-up step: the first cap (apply_budget) leaves out the
+    context's growth as kernels load (recap_after_warmup sets the cap that holds), so a
+    measured first step can exceed the budget at device level (docs/budget.md)."""
+    if limit is None or device.type != "cuda" or warmup_steps >= 1:
+        return
+    raise ConfigError(f"budget {size_text(limit)} on CUDA needs train.warmup_steps >= 1: the "
+                      "allocator's cap is set by the CUDA context as it is after warm-up; set "
+                      "train.warmup_steps = 1 or more, or leave the budget out")
+
+
 def check_floor(limit: int, context: int, parameter_bytes: int, how: str) -> None:
     """Refuse a budget that cannot hold the CUDA context plus the model's parameters."""
     floor = context + parameter_bytes

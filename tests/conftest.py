@@ -120,3 +120,39 @@ def small_config(size: int = 192, techniques: list[str] | None = None, **train) 
 @pytest.fixture
 def make_config():
     return small_config
+
+
+def reset_cuda_state() -> None:
+    """What one GPU test may leave behind that changes the next one's figures or outcome, put
+    back to PyTorch's defaults: a memory cap (`--budget` sets the allocator's fraction; a later
+    test then hit it and retried, `test_cuda_run_is_tuned_and_records_fragmentation` failed
+    after the tests before it), cuDNN / TF32 flags, peak statistics, cached blocks and
+    Dynamo's compiled code."""
+    import gc
+    import sys
+
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = False
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    gc.collect()
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+        torch.cuda.reset_peak_memory_stats(index)
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _gpu_test_starts_clean(request):
+    """Each GPU test independent of those run before it in the same process."""
+    if not ({"gpu", "multigpu"} & set(request.keywords)):
+        yield
+        return
+    reset_cuda_state()
+    yield
+    reset_cuda_state()

@@ -175,6 +175,28 @@ def test_cpu_budget_is_left_to_the_tensor_meter():
                                "before any activation; raise --budget above 100MiB")
 
 
+def test_a_cuda_budget_without_warm_up_is_refused_before_any_work(make_config):
+    """The cap that holds a budget at device level is set after warm-up (recap_after_warmup);
+    with no warm-up step the measured step would run under the first cap, which leaves the
+    context's growth out: refused in make_plan, naming the setting. The CPU's tensor meter
+    holds a budget from the first step."""
+    from memstudy.techniques.compose import make_plan
+
+    cfg = make_config(64, techniques=["amp:bf16"], warmup_steps=0, msssim_scales=1)
+    cfg.budget = "8GiB"
+    with pytest.raises(ConfigError) as info:
+        make_plan(cfg, device=torch.device("cuda"), n_gpus=1)
+    assert str(info.value) == ("budget 8GiB on CUDA needs train.warmup_steps >= 1: the "
+                               "allocator's cap is set by the CUDA context as it is after "
+                               "warm-up; set train.warmup_steps = 1 or more, or leave the "
+                               "budget out")
+    make_plan(cfg, device=torch.device("cpu"), n_gpus=0)
+    cfg.train.warmup_steps = 1
+    make_plan(cfg, device=torch.device("cuda"), n_gpus=1)
+    cfg.train.warmup_steps, cfg.budget = 0, None
+    make_plan(cfg, device=torch.device("cuda"), n_gpus=1)
+
+
 def test_over_budget_fails_under_budget_and_fits_without(tmp_path):
     db = tmp_path / "r.sqlite"
     assert main(["--db", str(db), *RUN, "--budget", TOO_SMALL]) == 1

@@ -90,7 +90,7 @@ def test_the_budget_cap_leaves_the_cuda_context_out(make_config, warmup_steps):
 
 def test_budgets_the_device_cannot_honour_are_refused_before_the_build(make_config):
     props = torch.cuda.get_device_properties(0)
-    cfg = make_config(512, validate=False, warmup_steps=0, max_steps=1, device="cuda")
+    cfg = make_config(512, validate=False, warmup_steps=1, max_steps=1, device="cuda")
     cfg.budget = f"{props.total_memory + (1 << 30)}B"
     with pytest.raises(ConfigError, match=f"exceeds the .* MB of the {re.escape(props.name)}"):
         execute(cfg, None)

@@ -165,9 +165,11 @@ def test_levels4_stream_step_equals_the_untiled_step_in_float64():
         assert ((a - b).norm() / a.norm().clamp_min(1e-30)).item() < 1e-10
 
 
+@pytest.mark.large
 def test_a_16384_px_step_trains_under_an_8_gib_cap_with_tile_auto(tmp_path):
     """memstudy run at 16384 x 16384 with tile:auto under --budget 8GiB (CUDA context
-    included): one measured step and validation, in its own process (the budget caps the
+    included): one warm-up step (after which the cap is set by the context as it has grown:
+    budget.recap_after_warmup), one measured step and validation, in its own process (the budget caps the
     process's allocator); status ok, NVML peak within the budget, the pick recorded."""
     import json
     import sqlite3
@@ -181,9 +183,9 @@ def test_a_16384_px_step_trains_under_an_8_gib_cap_with_tile_auto(tmp_path):
                   "allocator:expandable_segments=true")
     done = subprocess.run(
         [sys.executable, "-m", "memstudy", "--db", str(db), "run", "--size", "16384",
-         "-t", techniques, "--device", "cuda", "--budget", "8GiB", "--steps", "1", "-q",
-         "--set", "train.warmup_steps=0", "--set", "train.measure_steps=1",
-         "--set", "data.train_images=1", "--set", "data.val_images=1"],
+         "-t", techniques, "--device", "cuda", "--budget", "8GiB", "--steps", "2", "-q",
+         "--set", "train.warmup_steps=1", "--set", "train.measure_steps=1",
+         "--set", "data.train_images=2", "--set", "data.val_images=1"],
         capture_output=True, text=True, timeout=570)
     assert done.returncode == 0, done.stderr[-2000:]
     with sqlite3.connect(db) as con:

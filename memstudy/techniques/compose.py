@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from memstudy import policy
+from memstudy.budget import check_warmup
 from memstudy.config import RunConfig
 from memstudy.errors import ConfigError
 from memstudy.models import build_model, check_factory
@@ -69,6 +70,7 @@ def make_plan(config: RunConfig, *, checked: Checked | None = None,
     device = resolve_device(config.train.device) if device is None else device
     if n_gpus is None:
         n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    check_warmup(checked.budget_bytes, device, config.train.warmup_steps)
     chosen = checked.chosen  # canonical order, whatever the user's order
     plan = Plan(config=config, device=device, n_gpus=n_gpus, chosen=chosen,
                 techniques={name: get_technique(name) for name in chosen},
