@@ -119,3 +119,59 @@ def test_a_recorded_out_of_memory_run_overrules_a_fitting_line(db):  # noqa: F81
     assert amp.why_not == "recorded oom in forward at 896 px under 4GiB"
     assert next(p for p in ranked(db, "4GiB", 768)[0] if p.name == "amp").fits  # fewer pixels
     assert next(p for p in ranked(db, "8GiB", 960)[0] if p.name == "amp").fits  # larger budget
+
+
+def _pinned_predictions():
+    fits_with_quality = advise.Prediction(
+        name="amp:bf16", peak_bytes=3.5 * 2**30, step_time_s=0.25, phase="backward",
+        confidence="measured", fit_error=0.012, fits=True, val_loss_delta=0.00123,
+        quality_at=1024, quality_under="amp:bf16 at 2 epochs", differs="train.batch_size=2")
+    overruled = advise.Prediction(
+        name="original", peak_bytes=9 * 2**30, step_time_s=None, phase="forward",
+        confidence="extrapolated", fit_error=None, fits=False,
+        why_not="oom recorded at 4096 px")
+    fastest = advise.Prediction(name="checkpoint", peak_bytes=2 * 2**30, step_time_s=0.5,
+                                phase="step", confidence="fitted", fit_error=0.2, fits=True,
+                                val_loss_delta=-0.5)
+    return fastest, fits_with_quality, overruled
+
+
+def test_the_advice_reads_as_pinned():
+    """advise's answer, word for word: the head (what a peak holds on each device), rank only
+    for sets that fit, the budget's share, the quality delta with where it was measured, the
+    overruling run, and the 'settings that differ' column only when a set differs."""
+    fastest, fits_with_quality, overruled = _pinned_predictions()
+    answer = advise.describe("NVIDIA H100", 4096, "4GiB", [fastest, fits_with_quality, overruled])
+    assert answer == "\n".join([
+        '4096 px under 4GiB on NVIDIA H100: 2 of 3 technique sets predicted to fit (fastest first; peaks: allocator bytes plus the CUDA context)',
+        'rank  techniques  peak MB  of budget  step s                                        val loss - original    confidence  fit error  binding phase                         fits  settings that differ',
+        '----  ----------  -------  ---------  ------  ---------------------------------------------------------  ------------  ---------  -------------  ---------------------------  --------------------',
+        '1     checkpoint     2048        50%    0.50                                                    -0.5000        fitted        20%           step                          yes                     -',
+        '2       amp:bf16     3584        88%    0.25  +0.0012 (at 1024 px, from runs with amp:bf16 at 2 epochs)      measured         1%       backward                          yes    train.batch_size=2',
+        '-       original     9216       225%       -                                                          -  extrapolated          -        forward  no: oom recorded at 4096 px                     -',])
+    assert advise.describe("cpu", 512, "1GiB", [fastest]) == "\n".join([
+        '512 px under 1GiB on cpu: 1 of 1 technique sets predicted to fit (fastest first; peaks: live tensor bytes, parameters and optimizer state included)',
+        'rank  techniques  peak MB  of budget  step s  val loss - original  confidence  fit error  binding phase  fits',
+        '----  ----------  -------  ---------  ------  -------------------  ----------  ---------  -------------  ----',
+        '1     checkpoint     2048       200%    0.50              -0.5000      fitted        20%           step   yes',])
+
+
+def test_the_check_reads_as_pinned():
+    """advise --check's table and its notes: signed errors, '-' where none, the predictions
+    whose later runs were another experiment, and those stored without a key (one or many)."""
+    row = dict(prediction=3, name="amp:bf16", size=2048, budget="4GiB", confidence="fitted",
+               run=7, status="ok", predicted_mb=3000, measured_mb=3100, peak_error=-0.0323,
+               predicted_s=0.2, measured_s=0.25, step_error=0.25, fit_call="right",
+               not_used=[], keyed=True)
+    other = dict(row, prediction=4, peak_error=None, step_error=None, keyed=False,
+                 not_used=["run 9: train.batch_size=2", "run 10: seed 1"])
+    assert advise.check_table([row, other]) == "\n".join([
+        'prediction  techniques    px  budget  confidence  run  status  predicted MB  measured MB  peak error  predicted s  measured s  step error  fit call',
+        '----------  ----------  ----  ------  ----------  ---  ------  ------------  -----------  ----------  -----------  ----------  ----------  --------',
+        '3             amp:bf16  2048    4GiB      fitted    7      ok          3000         3100       -3.2%         0.20        0.25      +25.0%     right',
+        '4             amp:bf16  2048    4GiB      fitted    7      ok          3000         3100           -         0.20        0.25           -     right',
+        'prediction 4 (amp:bf16 at 2048 px): not used, another experiment: run 9: train.batch_size=2; run 10: seed 1',
+        'prediction 4 (no experiment key: recorded before advise stored one): checked against runs of its techniques, size, batch and GPU, whatever their other settings',])
+    many = advise.check_table([row, other, dict(row, prediction=5, keyed=False)])
+    assert many.split("\n")[-1] == (
+        'predictions 4, 5 (no experiment key: recorded before advise stored one): checked against runs of its techniques, size, batch and GPU, whatever their other settings')

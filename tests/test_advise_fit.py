@@ -5,17 +5,20 @@ runs are written through the store (no training); every figure below is worked o
 or by numpy, not read back from advise."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 import pytest
 
 from memstudy import advise
+from memstudy.byte_sizes import parse_bytes
 from memstudy.errors import ConfigError
 from memstudy.store import ResultsDB
 from test_report_decide import CONTEXT_MB, GPU, gpu_run
 
 MB = 1024**2
+GIB = 1024**3
 SIZES = (512, 768, 1024)
 # every run has a budget (8 GiB), so each measured its CUDA context (500 MB): a phase's
 # absolute peak is 300 MB start + its increment + 500. gpu_run: backward's increment is half
@@ -121,3 +124,53 @@ def test_the_check_table_sets_each_prediction_beside_its_later_run(db):  # noqa:
     assert "2531.25" in lines[0] and "-2.6%" in lines[0] and lines[0].endswith("right")
     assert lines[1].split()[:2] == ["2", BENDS] and lines[1].endswith("wrong")
     assert len(lines) == 2  # both keyed, nothing left out: no line under the table
+
+
+def _run(status="oom", size=1024, budget="4GiB", phase="backward"):
+    return {"status": status, "image_size": size, "failed_phase": phase,
+            "config": {} if budget is None else {"budget": budget}}
+
+
+@pytest.mark.parametrize("runs, size, budget, said", [
+    # an oom at fewer pixels under a larger budget: the larger image under less cannot fit
+    ([_run()], 2048, "2GiB", "recorded oom in backward at 1024 px under 4GiB"),
+    ([_run()], 1024, "4GiB", "recorded oom in backward at 1024 px under 4GiB"),  # the same
+    ([_run(phase="forward", size="1024x512")], "1024x512", "4GiB",
+     "recorded oom in forward at 1024x512 px under 4GiB"),
+    ([_run()], 1023, "4GiB", None),  # a smaller image may fit
+    ([_run()], 1024, "5GiB", None),  # so may a larger budget
+    ([_run(status="ok")], 2048, "2GiB", None),
+    ([_run(budget=None)], 2048, "2GiB", None),  # no budget: an oom of the whole GPU says nothing
+    ([_run(status="ok"), _run(size=512, phase="step")], 2048, "2GiB",
+     "recorded oom in step at 512 px under 4GiB"),
+])
+def test_a_recorded_oom_overrules_the_fit(runs, size, budget, said):
+    from memstudy.image_sizes import size_hw
+
+    h, w = size_hw(size)
+    assert advise._recorded_oom(runs, h * w, parse_bytes(budget)) == said
+
+
+def test_no_measured_set_and_an_overruled_closest_are_refused_as_such():
+    with pytest.raises(ConfigError) as exc:
+        advise.refuse_if_none_fits(GPU, 1024, "2GiB", [])
+    assert str(exc.value) == (f"no technique set on {GPU} was measured at two sizes; record "
+                              "more runs (memstudy grid, memstudy maxres) before asking advise")
+    overruled = advise.Prediction(name="a", peak_bytes=GIB, step_time_s=None, phase="forward",
+                                  confidence="fitted", fit_error=None, fits=False,
+                                  why_not="recorded oom in forward at 512 px under 4GiB",
+                                  differs="train.batch_size=2")
+    larger = advise.Prediction(name="b", peak_bytes=3 * GIB, step_time_s=None, phase="forward",
+                               confidence="fitted", fit_error=None, fits=False)
+    with pytest.raises(ConfigError) as exc:  # the set no run rules out is the closest
+        advise.refuse_if_none_fits(GPU, 1024, "2GiB", [overruled, larger])
+    assert str(exc.value) == (f"no technique set is predicted to fit 1024 px under 2GiB on {GPU}: "
+                              "the closest is b, predicted peak 3072 MB; it would need a budget "
+                              "of at least 3GiB")
+    with pytest.raises(ConfigError) as exc:
+        advise.refuse_if_none_fits(GPU, 1024, "2GiB", [overruled])
+    assert str(exc.value) == (f"no technique set is predicted to fit 1024 px under 2GiB on {GPU}: "
+                              "the closest is a (train.batch_size=2), predicted peak 1024 MB "
+                              "(recorded oom in forward at 512 px under 4GiB); it would need "
+                              "more than this budget, which a recorded run already exceeded")
+    advise.refuse_if_none_fits(GPU, 1024, "2GiB", [overruled, dataclasses.replace(larger, fits=True)])
