@@ -174,3 +174,28 @@ def test_no_measured_set_and_an_overruled_closest_are_refused_as_such():
                               "(recorded oom in forward at 512 px under 4GiB); it would need "
                               "more than this budget, which a recorded run already exceeded")
     advise.refuse_if_none_fits(GPU, 1024, "2GiB", [overruled, dataclasses.replace(larger, fits=True)])
+
+
+def test_a_measured_size_is_answered_by_its_runs_not_by_the_line(db):  # noqa: F811
+    """At 768 px both sets were measured: the bent set's peak is its recorded 1500 MB (its
+    line says otherwise), its step the recorded 0.3 s; a budget of exactly that peak fits."""
+    bent = predictions(db, "4GiB", 768)[BENDS]
+    a, b = bent.phase_fits[bent.phase]
+    assert abs(a + b * 768**2 - 1500 * MB) > 50 * MB  # the line is off there
+    assert bent.peak_bytes == 1500 * MB and bent.step_time_s == pytest.approx(0.3)
+    assert bent.confidence.startswith("measured")
+    assert predictions(db, f"{1500 * MB}B", 768)[BENDS].fits
+    assert not predictions(db, f"{1500 * MB - 1}B", 768)[BENDS].fits
+    lin = predictions(db, "4GiB", 768)[LIN]
+    assert lin.step_time_s == pytest.approx(0.02 + 0.08 * x(768))
+
+
+def test_a_recorded_oom_rules_a_set_out_whatever_its_line_says(db):  # noqa: F811
+    """lin's line puts 768 px at 2125 MB, under 3 GiB; an oom recorded at 512 px under 3 GiB
+    overrules it: not fitting, with the run named, ranked after the sets that fit."""
+    assert predictions(db, "3GiB", 768)[LIN].fits
+    gpu_run(db, LIN, 512, 0, 0, budget="3GiB", status="oom")
+    lin = predictions(db, "3GiB", 768)[LIN]
+    assert not lin.fits
+    assert lin.why_not == "recorded oom in forward at 512 px under 3GiB"
+    assert predictions(db, "4GiB", 768)[LIN].fits  # a larger budget than the oom's: the line
