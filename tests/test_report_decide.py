@@ -152,3 +152,36 @@ def test_budgets_read_as_the_user_wrote_them(db):
     assert "400MiB" in text and "0.390625" not in text
     assert {r["budget"] for r in report.decisions(db, [3 * 2**29, "1.5 GiB"])} == {"1.5 GiB"}
     assert {r["budget"] for r in report.decisions(db, [400 * MB])} == {"400MiB"}
+
+
+def _candidate(name: str, peak_mb: float, step_s: float | None) -> dict:
+    """A set's row as decisions() hands it to _decision: one size, no validation."""
+    return dict(name=name, device="cuda:0", peak_bytes=peak_mb * MB, step_time_s=step_s,
+                step_time_s_std=None, differs="", comparison="", ok=2, not_trained=0, shared=0,
+                step_n=2, context_estimated=False, batch_size=1, image_size=512, val_loss=None,
+                run={"config": {"train": {"image_size": 512}}})
+
+
+def test_a_decision_at_the_budgets_edge_names_what_it_left_out():
+    """A peak equal to the budget fits; sets that did not train or were timed only beside
+    another process are named when they would fit, not when they would not; the ratio is to
+    original's fastest run; with nothing under the budget the smallest peak is named."""
+    from memstudy.report.decide import _decision
+
+    ok = [_candidate("original", 1000, 0.10), _candidate("amp", 600, 0.06),
+          _candidate("checkpoint", 500, 0.15), _candidate("original", 1000, 0.12)]
+    dead = [_candidate("invertible", 400, 0.05), _candidate("big", 700, 0.01)]
+    untimed = [_candidate("compile", 600, None), _candidate("wide", 601, None)]
+    row = _decision([], ok, 512, (600 * MB, "600MiB"), dead=dead, untimed=untimed)
+    assert row == {"device": "cuda:0", "budget_bytes": 600 * MB, "budget": "600MiB",
+                   "image_size": 512, "fits": "2/3", "name": "amp", "differs": "",
+                   "peak_mb": 600.0, "step_time_s": 0.06, "step_time_s_std": None, "runs": 2,
+                   "val_loss_delta": None, "val_loss_delta_std": None, "quality_epochs": None,
+                   "quality_seeds": None, "time_vs_original": pytest.approx(0.6),
+                   "note": "not ranked, did not train: invertible; not ranked, timed only on a "
+                           "shared GPU: compile"}
+    row = _decision([], ok, 512, (499 * MB, "499MiB"), dead=dead[:1])
+    assert row == {"device": "cuda:0", "budget_bytes": 499 * MB, "budget": "499MiB",
+                   "image_size": 512, "fits": "0/3", "name": "(none fits)",
+                   "note": "smallest peak 500 MB: checkpoint; not ranked, did not train: "
+                           "invertible"}
