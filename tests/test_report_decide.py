@@ -185,3 +185,33 @@ def test_a_decision_at_the_budgets_edge_names_what_it_left_out():
                    "image_size": 512, "fits": "0/3", "name": "(none fits)",
                    "note": "smallest peak 500 MB: checkpoint; not ranked, did not train: "
                            "invertible"}
+
+
+def test_phase_tables_hold_every_column_and_put_original_first(tmp_path):
+    """phase_peaks and phase_categories row by row: original before the other sets of its
+    size (whatever the alphabet), its two seeds' mean and sample spread, phases in training
+    order, and every column a table or plot reads."""
+    db = ResultsDB(tmp_path / "phases.sqlite")
+    gpu_run(db, "original", 512, 700, 0.10, 0.30, seed=0)
+    gpu_run(db, "original", 512, 720, 0.11, 0.31, seed=1)
+    gpu_run(db, "amp", 512, 400, 0.06, 0.31)
+    head = {"image_size": 512, "batch_size": 1, "device": GPU, "label": "fixture", "differs": ""}
+    spread = pytest.approx(20 / 2**0.5)  # the sample std of 700 and 720
+    original, amp = report.phase_peaks(db)
+    assert original == {"name": "original", **head, "runs": 2,
+                        "forward_inc_mb": 710.0, "forward_inc_mb_std": spread,
+                        "forward_abs_mb": 1010.0, "forward_abs_mb_std": spread,
+                        "backward_inc_mb": 355.0, "backward_inc_mb_std": pytest.approx(10 / 2**0.5),
+                        "backward_abs_mb": 655.0, "backward_abs_mb_std": pytest.approx(10 / 2**0.5),
+                        "step_inc_mb": 50.0, "step_inc_mb_std": 0.0,
+                        "step_abs_mb": 350.0, "step_abs_mb_std": 0.0}
+    assert amp["name"] == "amp" and amp["runs"] == 1 and amp["forward_inc_mb_std"] is None
+    rows = report.phase_categories(db)
+    assert [(r["name"], r["phase"], r["runs"]) for r in rows] == [
+        ("original", "forward", 2), ("original", "backward", 2), ("original", "step", 2),
+        ("amp", "forward", 1), ("amp", "backward", 1), ("amp", "step", 1)]
+    assert rows[0] == {"name": "original", **head, "phase": "forward", "runs": 2,
+                       "cat_params_bytes": 100.0, "cat_grads_bytes": 0.0,
+                       "cat_optimizer_bytes": 200.0, "cat_saved_bytes": 355.0,
+                       "cat_loss_saved_bytes": None, "cat_other_bytes": 7.0, "held_mb": 662.0,
+                       "peak_abs_mb": 1010.0}
