@@ -199,3 +199,18 @@ def test_a_recorded_oom_rules_a_set_out_whatever_its_line_says(db):  # noqa: F81
     assert not lin.fits
     assert lin.why_not == "recorded oom in forward at 512 px under 3GiB"
     assert predictions(db, "4GiB", 768)[LIN].fits  # a larger budget than the oom's: the line
+
+
+def test_a_bad_budget_or_size_is_named_by_its_flag(db):  # noqa: F811
+    with pytest.raises(ValueError, match="^--budget 'lots' is not a byte size"):
+        advise.predict_all(db, "lots", 512)
+    with pytest.raises(ConfigError, match="^--size = 'huge' is not a size"):
+        advise.predict_all(db, "4GiB", "huge")
+    with pytest.raises(ConfigError) as exc:
+        advise.predict_all(db, "4GiB", "native")
+    assert str(exc.value) == "advise needs a size in pixels (4188 or 4188x3500), not 'native'"
+    overruled = advise.Prediction("a", GIB, None, "forward", "fitted", None, False)
+    for call in (lambda: advise.describe(GPU, 512, "lots", [overruled]),
+                 lambda: advise.refuse_if_none_fits(GPU, 512, "lots", [overruled])):
+        with pytest.raises(ValueError, match="^--budget 'lots'"):
+            call()
