@@ -214,3 +214,36 @@ def test_a_bad_budget_or_size_is_named_by_its_flag(db):  # noqa: F811
                  lambda: advise.refuse_if_none_fits(GPU, 512, "lots", [overruled])):
         with pytest.raises(ValueError, match="^--budget 'lots'"):
             call()
+
+
+def test_the_device_advise_reads_is_chosen_or_refused_by_name(monkeypatch):
+    """--gpu picks by a case-insensitive part of the name; none or several matching, or
+    several devices and none of them this machine's, is refused naming the devices."""
+    runs = [{"gpu_name": name, "device": "cuda:0"} for name in ("NVIDIA H100 80GB HBM3",
+                                                               "NVIDIA H200")]
+    devices = ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    assert advise.choose_gpu(runs, "h100") == devices[0]
+    cases = [("A100", f"--gpu 'A100': no runs on it in this database; choose one of {devices}"),
+             ("nvidia", f"--gpu 'nvidia': several devices match it in this database; choose one "
+                        f"of {devices}")]
+    for wanted, said in cases:
+        with pytest.raises(ConfigError) as exc:
+            advise.choose_gpu(runs, wanted)
+        assert str(exc.value) == said
+    monkeypatch.setattr(advise, "current_gpu", lambda: devices[1])
+    assert advise.choose_gpu(runs, None) == devices[1]  # this machine's, among several
+    monkeypatch.setattr(advise, "current_gpu", lambda: None)
+    assert advise.choose_gpu(runs[:1], None) == devices[0]  # the only one
+    with pytest.raises(ConfigError) as exc:
+        advise.choose_gpu(runs, None)
+    assert str(exc.value) == (f"the database holds runs of several devices {devices}; choose "
+                              "one with --gpu NAME")
+    with pytest.raises(ConfigError) as exc:
+        advise.choose_gpu([], None)
+    assert str(exc.value) == ("the results database holds no runs; record some first "
+                              "(memstudy grid, memstudy maxres) or pass another --db")
+
+
+def test_a_run_name_reads_as_its_technique_specs():
+    assert advise._specs("original") == [] and advise._specs("none") == []
+    assert advise._specs("amp:bf16+checkpoint") == ["amp:bf16", "checkpoint"]
