@@ -215,3 +215,40 @@ def test_phase_tables_hold_every_column_and_put_original_first(tmp_path):
                        "cat_optimizer_bytes": 200.0, "cat_saved_bytes": 355.0,
                        "cat_loss_saved_bytes": None, "cat_other_bytes": 7.0, "held_mb": 662.0,
                        "peak_abs_mb": 1010.0}
+
+
+def test_a_decisions_note_says_each_caveat():
+    """_note: every caveat a decision row can carry, in its order, and none without cause."""
+    from memstudy.report.decide import _note
+
+    best = dict(comparison="", not_trained=0, ok=3, context_estimated=False, shared=0, step_n=3)
+    base = {"name": "original"}
+    assert _note(best, base, 512, 512) == ""
+    assert _note(best, base, None, 512) == ""
+    assert _note(best, None, 512, 512) == "original not measured ok at this size"
+    every = dict(best, comparison="batch 2", not_trained=1, context_estimated=True, shared=1,
+                 step_n=2)
+    assert _note(every, None, 256, 512, "train.batch_size=2") == (
+        "original not measured ok at this size with the same settings; quality at 256 px; "
+        "quality from runs with train.batch_size=2; 1 of 3 seeds did not train (quality from "
+        "the others); context estimated; time from 2 of 3 runs (the others shared their GPU)")
+
+
+def test_rows_are_ordered_by_device_size_original_first_then_name_label_differs_phase():
+    from memstudy.report.decide import _row_order
+
+    def row(name, size=512, device="A", **more):
+        return {"name": name, "image_size": size, "device": device, **more}
+
+    rows = [row("amp", phase="step"), row("amp", phase="forward"), row("zed"),
+            row("original", label="b"), row("original", label="a"), row("amp", 1024),
+            row("amp", device="B", differs="x"), row("amp", device="B"),
+            row("amp", label="a", differs="y", phase="backward")]
+    ordered = [(r["device"], r["image_size"], r["name"], r.get("label", ""),
+                r.get("differs", ""), r.get("phase", "")) for r in sorted(rows, key=_row_order)]
+    assert ordered == [
+        ("A", 512, "original", "a", "", ""), ("A", 512, "original", "b", "", ""),
+        ("A", 512, "amp", "", "", "forward"), ("A", 512, "amp", "", "", "step"),
+        ("A", 512, "amp", "a", "y", "backward"), ("A", 512, "zed", "", "", ""),
+        ("A", 1024, "amp", "", "", ""), ("B", 512, "amp", "", "", ""),
+        ("B", 512, "amp", "", "x", "")]
