@@ -105,8 +105,8 @@ def test_claims_of_dead_or_silent_runners_are_taken_over(tmp_path):
         sleeper.wait()
     # a runner on another host: taken over only once its heartbeat is older than STALE_S
     far = Runner("another-host", 1, me.started)
-    assert claims.claim(db, "c", far) is None
-    assert isinstance(claims.claim(db, "c", me), Holder)
+    assert claims.claim(db, "c", far, now=1000.0) is None
+    assert claims.claim(db, "c", me, now=1000.0 + claims.STALE_S) == Holder("another-host", 1, 1000.0)
     assert claims.claim(db, "c", me, now=time.time() + claims.STALE_S + 1) is None
     # a cell recorded meanwhile is not claimed again
     fake_run(db, "d")
