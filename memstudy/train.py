@@ -103,8 +103,7 @@ def train(build: Build, train_set, val_set, recorder: PhaseRecorder, state: Trai
     first_measured, last_measured = cfg.warmup_steps, cfg.warmup_steps + cfg.measure_steps
     total = cfg.max_steps or math.inf
     state.started = time.perf_counter()
-    if build.device.type == "cuda":  # the process's count so far (earlier runs) is not this run's
-        state.alloc_retries = alloc_retries(build.device)
+    state.alloc_retries = recorder.retries_before_run  # earlier runs' in this process are not this run's
     for epoch in range(cfg.epochs):
         state.epoch = epoch
         model.train()

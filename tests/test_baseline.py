@@ -99,7 +99,7 @@ def test_alloc_retries_recorded_from_the_cuda_allocator(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 7})
     assert rec.summary()["run"]["alloc_retries"] == 7
     # the allocator counts per process: retries of an earlier run in it are not this run's
-    rec._retries_before_run = 5
+    rec.retries_before_run = 5
     assert rec.summary()["run"]["alloc_retries"] == 2
 
 

@@ -47,7 +47,7 @@ class PhaseRecorder:
         self.device, self.model, self.runtime, self.optimizer = device, model, runtime, optimizer
         self.cuda = device.type == "cuda"
         # the allocator counts retries per process: an earlier run's in the same one are not this run's
-        self._retries_before_run = alloc_retries(device) if self.cuda else 0
+        self.retries_before_run = alloc_retries(device) if self.cuda else 0
         self.tensor_meter_on = cfg.tensor == "on" or (cfg.tensor == "auto" and not self.cuda)
         self.nvml = NvmlSampler(device, cfg.nvml_interval_ms / 1e3) if self.cuda and cfg.nvml else None
         # other processes on the GPU; not for a distributed run, whose own ranks may hold
@@ -308,7 +308,7 @@ class PhaseRecorder:
         if nvml:
             run["nvml_peak_total_bytes"] = max(nvml)
         if self.cuda:  # near a budget the allocator frees its cache and retries: slow steps
-            run["alloc_retries"] = alloc_retries(self.device) - self._retries_before_run
+            run["alloc_retries"] = alloc_retries(self.device) - self.retries_before_run
         run["host_peak_bytes"] = host_peak_bytes()
         if self.neighbours is not None and self.neighbours.most is not None:
             run["gpu_other_processes"] = self.neighbours.most
