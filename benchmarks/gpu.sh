@@ -57,7 +57,7 @@ for item in $STEPS; do
     echo "=== $step $(date +%T) (limit ${limit}s)"
     PY="timeout --signal=INT --kill-after=20 $limit python3"
     case "$step" in
-        tests) $PY -m pytest -q -m "(gpu or multigpu) and not large" --durations=30 ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider tests 2>&1 | tee "$RES/gpu-tests.log" ;;
+        tests) $PY -m pytest -q -m "(gpu or multigpu) and not large" --durations=60 ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider tests 2>&1 | tee "$RES/gpu-tests.log" ;;
         foundation) $PY benchmarks/bench_foundation.py --db "$DB" --md "$RES/foundation.md" 2>&1 | tee "$RES/foundation.log" ;;
         techniques) $PY benchmarks/bench_techniques.py --skip loss --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
         techniques-loss) $PY benchmarks/bench_techniques.py --skip memory --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques-loss.md" 2>&1 | tee "$RES/techniques-loss.log" ;;

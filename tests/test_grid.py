@@ -346,8 +346,9 @@ def test_cells_side_by_side_on_one_gpu_record_that_they_shared_it(tmp_path):
 def test_gpu_cells_spread_over_visible_gpus(tmp_path):
     import torch
 
-    gpu_base = {**BASE, "train": {**BASE["train"], "device": "cuda"}}
-    spec = spec_from_dict({"image_sizes": [256, 512], "seeds": [0, 1], "steps": 2,
+    gpu_base = {**BASE, "train": {**BASE["train"], "device": "cuda", "warmup_steps": 1},
+                "data": {"train_images": 2, "val_images": 1}}  # a budget needs a warm-up step
+    spec = spec_from_dict({"image_sizes": [256, 512], "seeds": [0, 2], "steps": 2,  # 1: dead start
                            "base": gpu_base, "budget": "8GiB"})
     result = run_grid(spec, tmp_path / "r.sqlite")
     assert set(result.outcomes.values()) == {"ok"}

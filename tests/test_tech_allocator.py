@@ -198,22 +198,23 @@ def test_a_cuda_run_applies_and_records_the_settings(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("techniques", [
-    "amp:bf16,compile:memory_budget=0.5,allocator:expandable_segments=true",
-    "amp:tf32,checkpoint,offload,allocator:expandable_segments=true"])
-def test_checks_leave_cuda_unstarted_for_the_allocator(techniques):
+def test_checks_leave_cuda_unstarted_for_the_allocator():
     """On a GPU, in a fresh process: planning (every technique's check) must not start CUDA,
     or the allocator technique refuses the run (compile's Triton check did, via has_triton()
-    and then current_device(), H100, 2026-11-23)."""
+    and then current_device()). Both sets are planned in one process: a check that starts
+    CUDA in the first is caught before the second plans."""
+    sets = [["amp:bf16", "compile:memory_budget=0.5", "allocator:expandable_segments=true"],
+            ["amp:tf32", "checkpoint", "offload", "allocator:expandable_segments=true"]]
     code = (
         "import torch\n"
         "from memstudy.config import RunConfig\n"
         "from memstudy.techniques.compose import make_plan, prepare_process\n"
-        f"cfg = RunConfig(techniques={techniques.split(',')!r})\n"
-        "cfg.train.device, cfg.meter.tensor = 'cuda', 'off'\n"
-        "plan = make_plan(cfg)\n"
-        "assert not torch.cuda.is_initialized(), 'a check started CUDA'\n"
-        "prepare_process(plan)\n"
+        f"for techniques in {sets!r}:\n"
+        "    cfg = RunConfig(techniques=techniques)\n"
+        "    cfg.train.device, cfg.meter.tensor = 'cuda', 'off'\n"
+        "    plan = make_plan(cfg)\n"
+        "    assert not torch.cuda.is_initialized(), f'a check of {techniques} started CUDA'\n"
+        "    prepare_process(plan)\n"
         "print('prepared')\n")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
