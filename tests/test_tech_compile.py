@@ -67,21 +67,27 @@ def _measured_forward(build, dtype=torch.float64):
     return loss.item(), recorder.summary()["forward"]
 
 
+def _user_network(config):
+    """tests/user_networks' small network (a user's model.factory): Inductor generates kernels
+    for a few layers where the U-Net needs them for every block, and what the compile tests
+    check (compiled = eager, the partitioner's choices) does not depend on the network."""
+    config.model.factory, config.model.kwargs = "user_networks.tiny:net", {"width": 16}
+    return config
+
+
 @pytest.mark.slow
 def test_compiled_step_runs_on_the_cpu_with_eager_gradients():
-    """Inductor on the CPU (C++ kernels): one compilation of the ResNet-18 U-Net (half the
-    blocks of ResNet-34 to generate kernels for; what is checked does not depend on depth)."""
-    from memstudy.models import build_unet
+    """Inductor on the CPU (C++ kernels), in float64: gradients equal the eager model's, a
+    measured step sees what the compiled graph saves and recompiles nothing."""
+    from memstudy.models import build_model
     from memstudy.techniques.compose import build_pipeline
 
-    config = cpu_config(["compile"])
-    config.model.encoder = "resnet18"
+    config = _user_network(cpu_config(["compile"]))
     build = build_pipeline(make_plan(config))  # resets Dynamo
     build.model.double()  # before the first call: the graphs are traced in float64
     compiled = _mse_grads(build.model, torch.float64)
     assert compiled_graphs() > 0, "the model was not compiled"
-    reference = _mse_grads(build_unet(None, seed=0, network=config.model).double(),
-                           torch.float64)  # same weights
+    reference = _mse_grads(build_model(config).double(), torch.float64)  # same seed, weights
     assert compiled.keys() == reference.keys()  # compiled in place: same parameter names
     assert _relative_l2(compiled, reference) <= GRAD_TOLERANCE
     # A measured step of the pipeline on the compiled model: the saved-tensor observer sees
@@ -90,9 +96,7 @@ def test_compiled_step_runs_on_the_cpu_with_eager_gradients():
     loss, forward = _measured_forward(build)
     assert compiled_graphs() == graphs
     assert forward["saved_bytes"] > 0
-    plain = cpu_config([])
-    plain.model.encoder = "resnet18"
-    eager = build_pipeline(make_plan(plain))
+    eager = build_pipeline(make_plan(_user_network(cpu_config([]))))
     eager.model.double()
     assert loss == pytest.approx(_measured_forward(eager)[0], rel=LOSS_TOLERANCE)
 
@@ -332,15 +336,12 @@ def test_memory_budget_is_set_for_the_partitioner():
 
 @functools.cache
 def _cuda_run(techniques: tuple[str, ...], size: int = 1024):
-    """Figures of a short CUDA run of tests/user_networks' small network (a user's own
-    model.factory: compile and checkpoint:modules act on any network): Inductor generates a
-    few Triton kernels for it where the U-Net needs them for every block, and what the tests
-    check, the partitioner's choices, does not depend on the network's size. Runs the tests
-    share are made once."""
+    """Figures of a short CUDA run of the user network (compile and checkpoint:modules act on
+    any network). Runs the tests share are made once."""
     cfg = small_config(size, techniques=list(techniques), max_steps=5, validate=False)
     cfg.train.device = "cuda"
     cfg.data.train_images = 5
-    cfg.model.factory, cfg.model.kwargs = "user_networks.tiny:net", {"width": 16}
+    _user_network(cfg)
     # contiguous: a recomputed ConvTranspose2d backward on channels_last CUDA tensors fails
     # Inductor's stride check (pytorch/pytorch#171622; docs/techniques/compile.md)
     cfg.train.channels_last = False
