@@ -123,7 +123,7 @@ for item in $STEPS; do
             for size in ${AUTO_SIZES:-4188 8192}; do
                 $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto.log"
             done ;;
-        tile-auto-large) $PY -m pytest -q -m large -p no:cacheprovider tests/test_tile_stream_gpu.py 2>&1 | tee "$RES/tile-auto-16384-test.log"
+        tile-auto-large) $PY -m pytest -q -rP -m large -p no:cacheprovider tests/test_tile_stream_gpu.py 2>&1 | tee "$RES/tile-auto-16384-test.log"
             set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
             for size in ${AUTO_LARGE_SIZES:-12288 16384}; do
                 $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto.log"
