@@ -30,7 +30,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [ -z "${WHEELS:-}" ] || [ -d "$WHEELS" ] || { echo "WHEELS=$WHEELS is not a folder"; exit 1; }
 export WHEELS="${WHEELS:-.whl}"
-if [ -d "$WHEELS" ] && ! python3 -c "import segmentation_models_pytorch, pytorch_msssim, momentumnet" 2>/dev/null; then
+if [ -d "$WHEELS" ] && ! python3 -c "import segmentation_models_pytorch, pytorch_msssim, momentumnet, xdist" 2>/dev/null; then
     WHEELS_SITE="${WHEELS_SITE:-${TMPDIR:-/tmp}/memstudy-wheels}"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$WHEELS_SITE" "$WHEELS"/*.whl || exit 1
@@ -57,7 +57,8 @@ for item in $STEPS; do
     echo "=== $step $(date +%T) (limit ${limit}s)"
     PY="timeout --signal=INT --kill-after=20 $limit python3"
     case "$step" in
-        tests) $PY -m pytest -q -m "(gpu or multigpu) and not large" --durations=60 ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider tests 2>&1 | tee "$RES/gpu-tests.log" ;;
+        # side by side on the GPU, then the `alone` and two-GPU tests one at a time (dev/gpu-tests)
+        tests) MEMSTUDY_GPU_MARKS="(gpu or multigpu) and not large" PYTHON="$PY" dev/gpu-tests --durations=60 ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider 2>&1 | tee "$RES/gpu-tests.log" ;;
         foundation) $PY benchmarks/bench_foundation.py --db "$DB" --md "$RES/foundation.md" 2>&1 | tee "$RES/foundation.log" ;;
         techniques) $PY benchmarks/bench_techniques.py --skip loss --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques.md" 2>&1 | tee "$RES/techniques.log" ;;
         techniques-loss) $PY benchmarks/bench_techniques.py --skip memory --db "$RES/techniques.sqlite" --loss-db "$RES/techniques-loss.sqlite" --md "$RES/techniques-loss.md" 2>&1 | tee "$RES/techniques-loss.log" ;;

@@ -149,6 +149,32 @@ def reset_cuda_state() -> None:
     torch.cuda.empty_cache()
 
 
+SIDE_BY_SIDE = "PYTEST_XDIST_WORKER" in os.environ  # this process is one of several workers
+
+
+@pytest.fixture(autouse=True)
+def _device_wide_readings_run_alone(request, monkeypatch):
+    """GPU tests run side by side on one GPU under `-n` (dev/test, benchmarks/gpu.sh), which is
+    sound for what a process measures of itself (its allocator's peaks) but not for NVML's used
+    memory, which is the whole device's: a budget's CUDA-context measurement would count the
+    neighbours' memory. Tests that read the whole device are marked `alone` and run one at a
+    time after the others; an unmarked GPU test that reaches the budget's NVML reading while
+    side by side fails here, naming the mark."""
+    if not SIDE_BY_SIDE or not ({"gpu", "multigpu"} & set(request.keywords)):
+        return
+    if "alone" in request.keywords:
+        pytest.skip("measures the whole device: run it without -n (dev/test and "
+                    "benchmarks/gpu.sh run the `alone` tests one at a time after the others)")
+    import memstudy.budget
+
+    def whole_device(index: int) -> int:
+        raise AssertionError(f"{request.node.nodeid} reads the whole device's used memory "
+                             "(a budget's CUDA context), which the tests beside it change: "
+                             "mark it @pytest.mark.alone")
+
+    monkeypatch.setattr(memstudy.budget, "nvml_used", whole_device)
+
+
 @pytest.fixture(autouse=True)
 def _gpu_test_starts_clean(request):
     """Each GPU test independent of those run before it in the same process."""

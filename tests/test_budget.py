@@ -221,6 +221,7 @@ def test_oom_is_recorded_with_its_phase(make_config, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_cuda_budget_caps_the_allocator(make_config, tmp_path):
     db = ResultsDB(tmp_path / "r.sqlite")
     cfg = make_config(1024, validate=False, max_steps=2, device="cuda")

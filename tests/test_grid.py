@@ -323,6 +323,7 @@ def test_a_cell_runs_with_the_threads_it_was_given(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_cells_side_by_side_on_one_gpu_record_that_they_shared_it(tmp_path):
     """Two cells at once on GPU 0 (--cells-per-gpu 2): each saw the other (where NVML lists
     processes), and the reports leave their times out."""
@@ -343,6 +344,7 @@ def test_cells_side_by_side_on_one_gpu_record_that_they_shared_it(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_gpu_cells_spread_over_visible_gpus(tmp_path):
     import torch
 

@@ -211,6 +211,7 @@ def test_kernels_refuse_cpu_tensors_without_the_interpreter(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_channel_kernels_equal_references_on_gpu(dtype):
     """As below, for the channel-major kernels on a channels-last activation-like tensor.
     Codes: at most 1e-4 of the elements a level apart (FMA contraction, as below). Restored

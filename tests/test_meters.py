@@ -90,6 +90,7 @@ def test_run_records_phase_categories_that_add_up(make_config):
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_allocator_tensor_meter_and_nvml_agree_on_cuda(make_config):
     """Three independent meters on one CUDA run (H200 at 512 px: forward 387.9 vs 386.9 MB).
     Backward's allocator peak also holds cuDNN's convolution workspaces, which no tensor the
@@ -206,6 +207,7 @@ def test_the_training_loop_looks_at_the_gpu_after_every_epoch(make_config, monke
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_a_run_beside_another_process_on_its_gpu_says_so(make_config):
     """Another process holding a CUDA context on the GPU is seen (gpu_other_processes >= 1);
     alone, the count is 0."""

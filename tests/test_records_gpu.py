@@ -17,7 +17,7 @@ from memstudy.meters import PhaseRecorder
 from memstudy.runner import execute
 from memstudy.runtime import Runtime
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.alone]  # budgets measure the whole device
 MIB = 1 << 20
 BUDGET = "6GiB"
 # The stored cap is int(fraction * total) with fraction = (budget - context) / total: equal to

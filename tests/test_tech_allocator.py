@@ -177,6 +177,7 @@ def test_a_failing_read_back_keeps_the_record(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_a_cuda_run_applies_and_records_the_settings(tmp_path):
     db = tmp_path / "a.sqlite"
     cmd = [sys.executable, "-m", "memstudy", "--db", str(db), "run", "--device", "cuda",
@@ -198,6 +199,7 @@ def test_a_cuda_run_applies_and_records_the_settings(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_checks_leave_cuda_unstarted_for_the_allocator():
     """On a GPU, in a fresh process: planning (every technique's check) must not start CUDA,
     or the allocator technique refuses the run (compile's Triton check did, via has_triton()

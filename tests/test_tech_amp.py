@@ -104,6 +104,7 @@ def test_amp_refusals_on_cpu(spec, fragments):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_fp16_with_grad_scaler_steps_on_cuda():
     cfg = small_config(size=256, techniques=["amp:fp16"], device="cuda")
     plan = make_plan(cfg)

@@ -351,6 +351,7 @@ def _cuda_run(techniques: tuple[str, ...], size: int = 1024):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_memory_budget_lowers_saved_activations_on_cuda():
     full = _cuda_run(("amp:bf16", "compile"))
     budget = _cuda_run(("amp:bf16", "compile:memory_budget=0.2"))

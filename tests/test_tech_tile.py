@@ -198,6 +198,7 @@ def test_gpu_tiled_gradients_exact_in_float64(layout, batch):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_gpu_tiled_step_lowers_the_peak():
     """At 1024 px under bf16 autocast with cudnn.benchmark on (as memstudy's tuned runs), the
     tiled step's allocator peak is under 3/4 of the untiled one's (H100 at 4188 px: 0.53-0.55;

@@ -96,6 +96,7 @@ def _error(got: dict, want: dict) -> float:
                                     {"levels": 3, "tiles": 3, "keep": "conv1"},
                                     {"levels": 2, "tiles": 4, "keep": "bn"},
                                     {"levels": 3, "tiles": 3, "keep": "conv1", "layer1": "convs"}])
+@pytest.mark.slow
 def test_gpu_graphed_tiles_equal_eager_tiles(layout):
     """CUDA-graph replays of the tile bodies against the eager tiles: bf16 autocast within 1e-2
     relative over all gradients (the same kernels; cuDNN may choose other algorithms for the
@@ -224,6 +225,7 @@ def test_gpu_early_copies_and_stream_order_release_give_the_same_gradients(make_
 
 
 @pytest.mark.parametrize("tile", ["tile:4:keep=all", "tile:4:levels=3:layer1=blocks"])
+@pytest.mark.slow
 def test_gpu_compiled_untiled_levels_equal_the_eager_step(make_config, tile):
     """compile + tile with Inductor's kernels (Triton) for the untiled levels' modules, in
     float64 against the same set without compile: every gradient within 1e-9 relative (a

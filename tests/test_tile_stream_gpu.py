@@ -166,6 +166,7 @@ def test_levels4_stream_step_equals_the_untiled_step_in_float64():
 
 
 @pytest.mark.large
+@pytest.mark.alone
 def test_a_16384_px_step_trains_under_an_8_gib_cap_with_tile_auto(tmp_path):
     """memstudy run at 16384 x 16384 with tile:auto under --budget 8GiB (CUDA context
     included): one warm-up step (after which the cap is set by the context as it has grown:
