@@ -116,6 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-references", action="store_true",
                    help="native: run the tiled and free sets only (no amp:bf16 / float32 "
                         "references: e.g. at sizes where an absolute step time is the target)")
+    p.add_argument("--tuned-only", action="store_true",
+                   help="native: of the references, only the tuned amp:bf16 step (the ratio's "
+                        "denominator)")
     p.add_argument("--timeout", type=float, default=600, help="per-run / per-probe timeout (s)")
     return p.parse_args(argv)
 
@@ -210,6 +213,8 @@ def native_runs(args: argparse.Namespace) -> list[tuple[str, str, str | None, tu
     if args.no_references:
         return runs
     runs.append((TUNED_LABEL, "amp:bf16", None, network + TUNED_SETTINGS))
+    if args.tuned_only:
+        return runs
     runs.append(("amp:bf16 unconstrained", "amp:bf16", None, network))
     if not args.no_float32:
         runs.append(("float32 unconstrained, cudnn.benchmark off", "none", None,

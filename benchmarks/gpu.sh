@@ -7,7 +7,7 @@
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
-# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS / PAPER_ARGS / PAPER2_ARGS (e.g. "--sizes 2048")
+# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS / NETWORKS_ARGS / PAPER_ARGS / PAPER2_ARGS (e.g. "--sizes 2048")
 # replace a benchmark's arguments.
 #
 # RESUME=folder   resume earlier results: its *.sqlite are copied into the results folder and
@@ -135,7 +135,7 @@ for item in $STEPS; do
         networks) for entry in ${NETWORKS:-resnet50,segment,8GiB,BEST_LEVELS3 resnet18,enhance,4GiB,NATIVE_SET resnet34,segment,4GiB,NATIVE_SET resnet50,enhance,8GiB,BEST_LEVELS3}; do
                 IFS=, read -r net task budget set <<< "$entry"
                 tiled=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(';'.join(getattr(b, n) for n in '$set'.split('+')))")
-                $PY benchmarks/bench_ladder.py --part native --out "$RES/networks/$net-$task-$budget" --size ${NETWORKS_SIZE:-4188} --budget "$budget" --steps 8 --no-float32 --network "model.encoder=$net;train.task=$task" --tiled-set "$tiled" 2>&1 | tee -a "$RES/networks.log"
+                $PY benchmarks/bench_ladder.py --part native --out "$RES/networks/$net-$task-$budget" --size ${NETWORKS_SIZE:-4188} --budget "$budget" --steps 8 --no-float32 --network "model.encoder=$net;train.task=$task" --tiled-set "$tiled" ${NETWORKS_ARGS:-} 2>&1 | tee -a "$RES/networks.log"
             done ;;
         # the tiled BatchNorm's kernels: Triton against PyTorch's primitives, per strip
         # (bench_norm_kernels) and in both targets' steps, tile:norm=torch and the default (triton)
