@@ -11,14 +11,16 @@ loss and validation size their blocks from the memory left, memstudy/quality.py)
     peak = state + c + ku * v * H * W * e + kw * t * (rows + halo) * W * e
 
 `state`: parameters and gradients (float32), and Adam's two moments unless offload_optim
-holds them; `v` and `t`: the network's activation elements per full-resolution pixel below and
-inside the tiled levels (every leaf module's output, counted on the meta device, so a
-ResNet-50 or ResNeXt encoder scales the prediction by its own shapes); `e`: bytes per element
+holds them; `v`: the largest checkpointed unit below the tiled levels (a residual or decoder
+block: the leaf outputs inside it, its input and its output), `t`: every leaf output inside
+them, both in elements per full-resolution pixel, counted on the meta device (in-place outputs
+left out), so a ResNet-50 or ResNeXt encoder scales the prediction by its own shapes; `e`: bytes per element
 (2 under amp, else 4); `rows + halo`: one strip's rows. The constants c, ku, kw are fitted per
 plan, by least squares, to the allocator peaks measured on an H200 (CALIBRATION: 2048 and
 4096 px, 256 and 1024 rows, benchmarks/results/h200/auto-calibration/); they predict the
 streamed 8192-16384 px steps 5-15% above what they measured (tests/test_tile_auto.py), on the
-safe side. The allowance for the CUDA context is its size after warm-up on that H200; the
+safe side, and the peaks of ResNet-18 and ResNet-50 U-Nets under tile:auto within 2% and 20-30%
+above (benchmarks/results/h200/networks-auto/). The allowance for the CUDA context is its size after warm-up on that H200; the
 run records the context it actually measured (docs/budget.md), and a GPU with a larger one
 leaves less: hence the MARGIN.
 """
@@ -159,14 +161,21 @@ def _fitted() -> dict[str, tuple[float, float, float]]:
 
 @dataclass(frozen=True)
 class _Shapes:
-    """A network's parameters and its activation elements per full-resolution pixel at each
-    down-sampling (1, 2, 4 .. 32): the outputs of its leaf modules, counted on the meta device."""
+    """A network's parameters, its activation elements per full-resolution pixel at each
+    down-sampling (1, 2, 4 .. 32): the outputs of its leaf modules, and each checkpointed unit's
+    (residual block, decoder block) working set: the leaf outputs inside it, its input and its
+    output. All counted on the meta device."""
     parameters: int
     per_pixel: tuple[tuple[int, float], ...]
+    units: tuple[tuple[int, float], ...]  # (the unit output's down-sampling, its working set)
 
     def split(self, levels: int) -> tuple[float, float]:
-        """(elements per pixel below the tiled levels, inside them)."""
-        below = sum(n for down, n in self.per_pixel if down >= 2 ** levels)
+        """(elements per pixel of the largest unit below the tiled levels, all of them inside).
+        Below, checkpoint recomputes one unit at a time and offload holds its boundaries on the
+        host, so the untiled levels' peak follows their largest unit, not their sum: ResNet-18's
+        measured peak equals ResNet-34's, whose blocks it shares, where the sum of its leaf
+        outputs predicted it 19% low (H200, 2026-11-29, benchmarks/results/h200/networks-auto/)."""
+        below = max(n for down, n in self.units if down >= 2 ** levels)
         return below, sum(n for down, n in self.per_pixel if down < 2 ** levels)
 
     @staticmethod
@@ -185,18 +194,37 @@ class _Shapes:
         with torch.device("meta"):
             unet = build_unet(network=network, task=task)
         counts: dict[int, float] = {}
+        units: list[tuple[int, float]] = []
+        inside = [0.0]  # leaf outputs of the unit running now
 
-        def count(_module, _inputs, out):
-            if isinstance(out, torch.Tensor) and out.dim() == 4:
+        def per_pixel(t) -> float:
+            return t.numel() / side ** 2
+
+        def count(module, _inputs, out):
+            # an in-place op's output is its input's storage (ReLU(inplace=True) in every block)
+            fresh = not getattr(module, "inplace", False)
+            if isinstance(out, torch.Tensor) and out.dim() == 4 and fresh:
                 down = side // out.shape[-2]
-                counts[down] = counts.get(down, 0.0) + out.numel() / side ** 2
+                counts[down] = counts.get(down, 0.0) + per_pixel(out)
+                inside[0] += per_pixel(out)
+
+        def unit_starts(_module, _inputs):
+            inside[0] = 0.0
+
+        def unit_ends(_module, inputs, out):
+            units.append((side // out.shape[-2],
+                          inside[0] + per_pixel(inputs[0]) + per_pixel(out)))
 
         leaves = [m for m in unet.modules() if not list(m.children())]
+        blocks = [*(b for stage in unet.residual_stages for b in stage), *unet.decoder_blocks]
         hooks = [m.register_forward_hook(count) for m in leaves]
+        hooks += [b.register_forward_pre_hook(unit_starts) for b in blocks]
+        hooks += [b.register_forward_hook(unit_ends) for b in blocks]
         try:
             with torch.no_grad():
                 unet(torch.empty(1, in_channels, side, side, device="meta"))
         finally:
             for hook in hooks:
                 hook.remove()
-        return _Shapes(sum(p.numel() for p in unet.parameters()), tuple(sorted(counts.items())))
+        return _Shapes(sum(p.numel() for p in unet.parameters()), tuple(sorted(counts.items())),
+                       tuple(units))
