@@ -19,7 +19,7 @@ left out), so a ResNet-50 or ResNeXt encoder scales the prediction by its own sh
 plan, by least squares, to the allocator peaks measured on an H200 (CALIBRATION: 2048 and
 4096 px, 256 and 1024 rows, benchmarks/results/h200/auto-calibration/); they predict the
 streamed 8192-16384 px steps 5-15% above what they measured (tests/test_tile_auto.py), on the
-safe side, and the peaks of ResNet-18 and ResNet-50 U-Nets under tile:auto within 2% and 20-30%
+safe side, and the peaks of ResNet-18 and ResNet-50 U-Nets under tile:auto within 2% and 17-22%
 above (benchmarks/results/h200/networks-auto/). The allowance for the CUDA context is its size after warm-up on that H200; the
 run records the context it actually measured (docs/budget.md), and a GPU with a larger one
 leaves less: hence the MARGIN.
@@ -173,8 +173,8 @@ class _Shapes:
         """(elements per pixel of the largest unit below the tiled levels, all of them inside).
         Below, checkpoint recomputes one unit at a time and offload holds its boundaries on the
         host, so the untiled levels' peak follows their largest unit, not their sum: ResNet-18's
-        measured peak equals ResNet-34's, whose blocks it shares, where the sum of its leaf
-        outputs predicted it 19% low (H200, 2026-11-29, benchmarks/results/h200/networks-auto/)."""
+        peak is ResNet-34's, whose blocks it shares, where the sum of its leaf outputs predicted
+        it 19% low (H200, 2026-11-29; tests/test_tile_auto.py)."""
         below = max(n for down, n in self.units if down >= 2 ** levels)
         return below, sum(n for down, n in self.per_pixel if down < 2 ** levels)
 
