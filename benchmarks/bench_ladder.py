@@ -291,7 +291,7 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
              "NVML peak = device memory used, CUDA context included. Validation: MS-SSIM (enhancement) or Dice (segmentation) after the "
              "same steps on the same phantoms. Retries: the allocator's `num_alloc_retries` over the "
              "run, and over its timed steps (series `alloc_retries`; docs/metrics.md).", "",
-             "| run | status | allocator peak MB | NVML peak MB | retries (run / timed) | step s | "
+             "| run | status | allocator peak MiB | NVML peak MiB | retries (run / timed) | step s | "
              f"{reference} | launches / step | GPU busy ms / step | validation | vs float32 | "
              "error |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
