@@ -277,6 +277,7 @@ def _retry_after_oom(failure: PhaseFailure, rt, optimizer, state: TrainState) ->
 @torch.no_grad()
 def validate(build: Build, val_set, recorder: PhaseRecorder, step: int = 0) -> dict[str, float]:
     first = "validation" not in recorder.measured
+    val_set.load()  # the images drawn or read before the phase: its figures are the model's
     try:
         with recorder.step(measured=first, timed=False), recorder.phase("validation"):
             float32 = build.config.train.val_precision == "float32"

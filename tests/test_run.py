@@ -215,3 +215,26 @@ def test_planned_steps_follow_the_loop(make_config, techniques, images, batch, e
     cfg = make_config(192, techniques=techniques, batch_size=batch, epochs=epochs,
                       max_steps=max_steps)
     assert planned_steps(cfg, images) == steps
+
+
+def test_validation_images_are_drawn_before_the_metered_phase(make_config, monkeypatch):
+    """The validation phase times the model's work, not the drawing of its phantoms (a 16384 px
+    one takes tens of seconds of CPU): every image is drawn when the phase starts."""
+    from memstudy.datasets import build_datasets
+    from memstudy.meters import PhaseRecorder
+    from memstudy.techniques.compose import build_pipeline, make_plan
+    from memstudy.train import validate
+
+    cfg = make_config(192)
+    cfg.data.val_images = 2
+    build = build_pipeline(make_plan(cfg))
+    _, val_set = build_datasets(cfg.data, 192)
+    recorder = PhaseRecorder(build.device, build.model, build.runtime, lambda: None, cfg.meter)
+    started, phase = [], recorder.phase
+    monkeypatch.setattr(recorder, "phase", lambda name, *a, **k: started.append(
+        (name, len(val_set._memo))) or phase(name, *a, **k))
+    try:
+        validate(build, val_set, recorder)
+    finally:
+        recorder.close()
+    assert started == [("validation", 2)]
