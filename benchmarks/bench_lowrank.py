@@ -9,7 +9,7 @@ measured steps, median step time, GPU energy of the training loop (NVML), time t
 validation loss (2 epochs, validated after each), validation loss / SSIM after the run. Each
 row is printed and lowrank.md rewritten as its run ends (a time limit leaves the rows done).
 Every variant is first run once unrecorded (benchmarks/priming.py; --no-prime skips it), so the
-full-rank row, which runs first, does not carry the process's cuDNN autotuning in its energy
+full-rank row, which runs first, does not include the process's cuDNN autotuning in its energy
 and time to target; about two minutes on one H100 with the defaults.
 
     python benchmarks/bench_lowrank.py --out gpu-out/results/lowrank [--size 1024] [--steps 48]

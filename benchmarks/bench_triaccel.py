@@ -29,7 +29,7 @@ into --out: peak memory, time per epoch, validation quality, the efficiency scor
 (memstudy.techniques.tri_accel.score.run_efficiency, defined in docs/triaccel.md), GPU energy of the
 training loop (NVML) and the time to --target validation loss. Every row is first run once
 unrecorded (benchmarks/priming.py; --no-prime skips it), so that no row's energy and time to
-target carry the cuDNN autotuning of its shapes. Every row is printed and
+target include the cuDNN autotuning of its shapes. Every row is printed and
 triaccel.md rewritten as its run ends, so a time limit leaves the rows done. Defaults:
 a few minutes on one H100 (the stats part ~30 s, then 10 runs of 2 epochs x 24 phantoms).
 """

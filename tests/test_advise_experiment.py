@@ -15,7 +15,7 @@ from test_report_decide import db, gpu_run  # noqa: F401 (db: the fixture databa
 
 
 class Varied:
-    """A database whose recorded runs carry other settings (gpu_run through it)."""
+    """A database whose recorded runs hold other settings (gpu_run through it)."""
 
     def __init__(self, db: ResultsDB, **sections: dict):  # noqa: F811
         self.db, self.sections = db, sections

@@ -89,7 +89,7 @@ def test_fragmentation_is_peak_reserved_minus_peak_allocated():
 
 def test_alloc_retries_recorded_from_the_cuda_allocator(monkeypatch):
     """CUDA runs record the caching allocator's retry count (slow steps near a budget); the CPU
-    has no such counter, so CPU runs do not carry the figure."""
+    has no such counter, so CPU runs do not record the figure."""
     rec = PhaseRecorder(torch.device("cpu"), torch.nn.Linear(1, 1), build_runtime(), lambda: None,
                         small_config().meter)
     rec.measured["forward"].append({"alloc_start_bytes": 0, "alloc_peak_bytes": 1,

@@ -1,6 +1,6 @@
 """Offload's copy timing (memstudy/techniques/offload.py, CopyTimes) keeps a bounded number of
 CUDA events over a long run and sums them exactly: checked on the CPU with stand-in events that
-carry a time stamp (the class only calls `record`, `query` and `elapsed_time`)."""
+hold a time stamp (the class only calls `record`, `query` and `elapsed_time`)."""
 from __future__ import annotations
 
 import itertools

@@ -84,7 +84,7 @@ def test_quality_from_too_few_epochs_or_seeds_is_named_under_its_table(quick, tm
     assert "as few as 10 epoch(s) and 1 seed(s)" in report.build_report(enough, "term")
 
 
-def test_pareto_points_carry_their_set(quick):
+def test_pareto_points_name_their_set(quick):
     from memstudy.report.interactive import pareto_chart
 
     rows = report.pareto(quick)

@@ -218,7 +218,7 @@ def test_phase_tables_hold_every_column_and_put_original_first(tmp_path):
 
 
 def test_a_decisions_note_says_each_caveat():
-    """_note: every caveat a decision row can carry, in its order, and none without cause."""
+    """_note: every caveat a decision row can hold, in its order, and none without cause."""
     from memstudy.report.decide import _note
 
     best = dict(comparison="", not_trained=0, ok=3, context_estimated=False, shared=0, step_n=3)

@@ -24,7 +24,7 @@ def test_no_network_reference(html_file):
     assert network_references('<script src="https://cdn.plot.ly/x.js"></script>')  # the check bites
 
 
-def test_plots_carry_their_data_and_tables_sort(html_file):
+def test_plots_hold_their_data_and_tables_sort(html_file):
     html = html_file.read_text()
     divs = html.count('class="plotly-graph-div"')
     assert divs >= 4  # Pareto, categories (512 and 1024 px), resolution

@@ -43,7 +43,7 @@ def test_each_headline_is_recorded_with_its_source(key):
 def test_each_headline_is_quoted_as_recorded(key):
     entry = HEADLINES[key]
     for page, quote in entry["quoted_in"].items():
-        assert entry["value"] in quote, f"{key}: the quote for {page} does not carry {entry['value']}"
+        assert entry["value"] in quote, f"{key}: the quote for {page} does not contain {entry['value']}"
         text = " ".join((ROOT / page).read_text().split())
         assert " ".join(quote.split()) in text, \
             f"{page} no longer quotes {key} as {quote!r} (summary.json: {entry['value']})"

@@ -139,7 +139,7 @@ def test_unsupported_combinations_are_refused_by_name(other):
 
 
 def test_boundary_offload_is_refused_with_compile(monkeypatch):
-    """The compiled graph's saved tensors carry no boundary mark: nothing would move. Planned
+    """The compiled graph's saved tensors bear no boundary mark: nothing would move. Planned
     for a GPU (offload needs one) without one: Triton's check is taken as passed."""
     monkeypatch.setattr("memstudy.techniques.compile.triton_cuda_problem", lambda device: None)
     cfg = cpu_config(["compile", "checkpoint", "offload:which=boundaries"])
