@@ -74,6 +74,12 @@ AUTO_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,tile:auto,"
             "allocator:expandable_segments=true")
 # With 8 GiB at 4188 px nothing needs to leave the device: the 4 GiB set without offload's copies
 RESIDENT_SET = "amp:bf16,checkpoint,tile:4:keep=all,allocator:expandable_segments=true"
+# The 4 GiB set's extra matrix work is checkpoint recomputing the untiled levels (1.33x of its
+# 1.35x, benchmarks/results/cpu/step-flops/): `selective` recomputes no convolution (1.07x in
+# all) and keeps their outputs, which offload:which=all moves to the host and back, so PCIe
+# traffic, overlapped with the GPU's work, replaces the recomputation
+SELECTIVE_SET = ("amp:bf16,checkpoint:selective,offload:which=all:prefetch=1,tile:4:keep=all,"
+                 "allocator:expandable_segments=true")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

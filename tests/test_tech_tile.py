@@ -100,10 +100,14 @@ def float64_pipeline_step(techniques: list[str]) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "loss": loss.detach(), **result}
 
 
-@pytest.mark.parametrize("others", [["checkpoint"]])
-def test_composes_with_checkpoint_exactly(others):
+@pytest.mark.parametrize("tile, others", [
+    ("tile:3", ["checkpoint"]),
+    # bench_ladder.SELECTIVE_SET's composition: the convolutions kept, nothing else recomputed
+    ("tile:3:keep=all", ["checkpoint:selective"]),
+])
+def test_composes_with_checkpoint_exactly(tile, others):
     plain = float64_pipeline_step(others)
-    tiled = float64_pipeline_step(["tile:3", *others])
+    tiled = float64_pipeline_step([tile, *others])
     for name, ref in plain.items():
         error = ((tiled[name] - ref).double().norm() / ref.double().norm().clamp_min(1e-300))
         assert error < 1e-6, f"{name}: relative error {error:.3g}"
