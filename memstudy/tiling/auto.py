@@ -14,15 +14,15 @@ loss and validation size their blocks from the memory left, memstudy/quality.py)
 holds them; `v`: the largest checkpointed unit below the tiled levels (a residual or decoder
 block: the leaf outputs inside it, its input and its output), `t`: every leaf output inside
 them, both in elements per full-resolution pixel, counted on the meta device (in-place outputs
-left out), so a ResNet-50 or ResNeXt encoder scales the prediction by its own shapes; `e`: bytes per element
-(2 under amp, else 4); `rows + halo`: one strip's rows. The constants c, ku, kw are fitted per
-plan, by least squares, to the allocator peaks measured on an H200 (CALIBRATION: 2048 and
-4096 px, 256 and 1024 rows, benchmarks/results/h200/auto-calibration/); they predict the
-streamed 8192-16384 px steps 5-15% above what they measured (tests/test_tile_auto.py), on the
-safe side, and the peaks of ResNet-18 and ResNet-50 U-Nets under tile:auto within 2% and 17-22%
-above (benchmarks/results/h200/networks-auto/). The allowance for the CUDA context is its size after warm-up on that H200; the
-run records the context it actually measured (docs/budget.md), and a GPU with a larger one
-leaves less: hence the MARGIN.
+left out), so a ResNet-50 or ResNeXt encoder scales the prediction by its own shapes; `e`:
+bytes per element (2 under amp, else 4); `rows + halo`: one strip's rows. The constants c, ku,
+kw are fitted per plan, by least squares, to the allocator peaks measured on an H200
+(CALIBRATION: 2048 and 4096 px, 256 and 1024 rows, benchmarks/results/h200/auto-calibration/);
+they predict the streamed 8192-16384 px steps 5-15% above what they measured, on the safe
+side, and the peaks of ResNet-18 and ResNet-50 U-Nets under tile:auto within 2% and 17-22%
+above (benchmarks/results/h200/networks-auto/; both in tests/test_tile_auto.py). The allowance
+for the CUDA context is its size after warm-up on that H200; the run records the context it
+actually measured (docs/budget.md), and a GPU with a larger one leaves less: hence the MARGIN.
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ class _Shapes:
         units: list[tuple[int, float]] = []
         inside = [0.0]  # leaf outputs of the unit running now
 
-        def per_pixel(t) -> float:
+        def elements_per_pixel(t) -> float:
             return t.numel() / side ** 2
 
         def count(module, _inputs, out):
@@ -205,15 +205,15 @@ class _Shapes:
             fresh = not getattr(module, "inplace", False)
             if isinstance(out, torch.Tensor) and out.dim() == 4 and fresh:
                 down = side // out.shape[-2]
-                counts[down] = counts.get(down, 0.0) + per_pixel(out)
-                inside[0] += per_pixel(out)
+                counts[down] = counts.get(down, 0.0) + elements_per_pixel(out)
+                inside[0] += elements_per_pixel(out)
 
         def unit_starts(_module, _inputs):
             inside[0] = 0.0
 
         def unit_ends(_module, inputs, out):
             units.append((side // out.shape[-2],
-                          inside[0] + per_pixel(inputs[0]) + per_pixel(out)))
+                          inside[0] + elements_per_pixel(inputs[0]) + elements_per_pixel(out)))
 
         leaves = [m for m in unet.modules() if not list(m.children())]
         blocks = [*(b for stage in unet.residual_stages for b in stage), *unet.decoder_blocks]
