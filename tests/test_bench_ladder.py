@@ -53,7 +53,8 @@ def test_native_runs_include_the_tuned_reference_with_the_unchunked_loss():
 
 def test_tuned_only_keeps_the_tuned_reference_alone():
     args = bench_ladder.parse_args(["--part", "native", "--out", "x", "--tuned-only"])
-    assert [r[0] for r in bench_ladder.native_runs(args) if r[2] is None] == [bench_ladder.TUNED_LABEL]
+    references = [r[0] for r in bench_ladder.native_runs(args) if r[2] is None]
+    assert references == [bench_ladder.TUNED_LABEL]
 
 
 def test_native_tiled_settings_reach_the_tiled_runs_only_and_their_label():
