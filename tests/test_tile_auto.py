@@ -178,6 +178,10 @@ def test_the_run_tiles_with_the_pick_spelled_out(size, budget, monkeypatch):
     (SET.replace("auto", "auto:levels=3"), "4GiB", 4188, "drop levels=3"),
     (SET.replace("auto", "auto:graphs=true"), "4GiB", 4188, "drop graphs=true"),
     (SET, "1.5GiB", 16384, "tile:auto finds no plan"),
+    (SET.replace("checkpoint", "checkpoint:selective"), "4GiB", 4188,
+     "checkpoint:selective keeps more on the device"),
+    (SET.replace("prefetch=1", "prefetch=2:hold=1"), "4GiB", 4188,
+     "offload:prefetch=2, offload:hold=1 keeps more on the device"),
 ])
 def test_what_auto_cannot_plan_is_refused_before_anything_runs(techniques, budget, size,
                                                                 refusal):

@@ -107,6 +107,12 @@ def auto_pick(plan: Plan):
         raise ConfigError(f"tile:auto's memory model was measured with checkpoint and offload "
                           f"(docs/techniques/tile.md, \"tile:auto\"); add {', '.join(missing)}, "
                           "or give tile's strips by hand")
+    more = keeps_more_than_measured(plan.chosen["checkpoint"], plan.chosen["offload"])
+    if more:
+        raise ConfigError(f"tile:auto's memory model was measured with checkpoint:block and "
+                          f"offload:prefetch=1:hold=0; {more} keeps more on the device than that, "
+                          "so its prediction would be low: use checkpoint:block and offload's "
+                          "prefetch <= 1 and hold=0, or give tile's strips by hand")
     hw = size_hw(train.image_size)
     if hw is None:
         raise ConfigError("tile:auto plans for one image size, and native images each have "
@@ -115,6 +121,19 @@ def auto_pick(plan: Plan):
     height, width = (-(-side // STRIDE) * STRIDE for side in hw)
     return auto.pick(height, width, train.batch_size, plan.budget_bytes, plan.config.model,
                      train.task, plan.has("amp"), not plan.has("offload_optim"))
+
+
+def keeps_more_than_measured(checkpoint, offload) -> str:
+    """The options beside tile:auto that keep more on the device than those its model was
+    fitted with ('' if none): another checkpoint placement keeps other tensors (`selective` its
+    convolutions' outputs), a deeper prefetch or a held boundary more of offload's. Offload's
+    `which=all` moves more to the host, so the prediction stays on the safe side."""
+    more = [f"checkpoint:{checkpoint.placement}"] if checkpoint.placement != "block" else []
+    if offload.prefetch > 1:
+        more.append(f"offload:prefetch={offload.prefetch}")
+    if offload.hold:
+        more.append(f"offload:hold={offload.hold}")
+    return ", ".join(more)
 
 
 def check(opts: Options, plan: Plan) -> None:
