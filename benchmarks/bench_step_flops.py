@@ -1,5 +1,7 @@
 """FLOPs of one training step (forward + backward) per technique set, over the plain step's:
-where a memory technique's extra GPU work comes from, counted, not timed.
+where a memory technique's extra GPU work comes from, counted, not timed; beside them the bytes
+its forward saves for backward under bf16 autocast (what `offload:which=all` would move to the
+host and back), also set by shapes alone.
 
 torch.utils.flop_counter counts the matrix work (convolutions, transposed convolutions, matrix
 products) by shape, so the counts are the same on any device and at any speed; BatchNorm,
@@ -23,17 +25,40 @@ SETS = ["checkpoint", "tile:rows={rows}:keep=all", "checkpoint,tile:rows={rows}:
         "checkpoint:selective,tile:rows={rows}:keep=all"]
 
 
-def step_flops(techniques: list[str], size: int) -> int:
+def _model(techniques: list[str], size: int) -> torch.nn.Module:
     from memstudy.config import RunConfig
     from memstudy.techniques.compose import build_pipeline, make_plan
 
     cfg = RunConfig(techniques=techniques)
     cfg.train.image_size, cfg.train.device = size, "cpu"
-    model = build_pipeline(make_plan(cfg)).model.train()
-    x = torch.rand(1, 1, size, size, generator=torch.Generator().manual_seed(0))
+    return build_pipeline(make_plan(cfg)).model.train()
+
+
+def _image(size: int) -> torch.Tensor:
+    return torch.rand(1, 1, size, size, generator=torch.Generator().manual_seed(0))
+
+
+def step_flops(techniques: list[str], size: int) -> int:
     with FlopCounterMode(display=False) as counter:
-        model(x).sum().backward()
+        _model(techniques, size)(_image(size)).sum().backward()
     return counter.get_total_flops()
+
+
+def saved_bytes(techniques: list[str], size: int) -> int:
+    """Bytes of the distinct storages the forward saves for backward, under bf16 autocast
+    (checkpoint's regions save through the same hooks: respect_saved_tensors_hooks)."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    model, x = _model(techniques, size), _image(size)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+    return sum(storages.values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,11 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=208)
     args = p.parse_args(argv)
     plain = step_flops([], args.size)
-    lines = [f"| plain (no technique) | {plain / 1e9:.1f} | 1.000 |"]
-    for entry in SETS:
-        techniques = entry.format(rows=args.rows).split(",")
-        flops = step_flops(techniques, args.size)
-        lines.append(f"| `{','.join(techniques)}` | {flops / 1e9:.1f} | {flops / plain:.3f} |")
+    lines = []
+    for entry in ["", *SETS]:
+        techniques = [t for t in entry.format(rows=args.rows).split(",") if t]
+        flops = plain if not techniques else step_flops(techniques, args.size)
+        name = f"`{','.join(techniques)}`" if techniques else "plain (no technique)"
+        lines.append(f"| {name} | {flops / 1e9:.1f} | {flops / plain:.3f} | "
+                     f"{saved_bytes(techniques, args.size) / 2**20:.1f} |")
         print(lines[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -55,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# FLOPs of one training step over the plain step's ({args.size} px, "
         f"{args.rows}-row strips)\n\nResNet-34 U-Net, batch 1, forward + backward, "
         "torch.utils.flop_counter (matrix work only; benchmarks/bench_step_flops.py).\n\n"
-        "| set | GFLOP | / plain |\n|---|---|---|\n" + "\n".join(lines) + "\n")
+        "| set | GFLOP | / plain | saved for backward under bf16 autocast, MiB |\n"
+        "|---|---|---|---|\n" + "\n".join(lines) + "\n")
     return 0
 
 
