@@ -47,18 +47,19 @@ def step_flops(techniques: list[str], size: int) -> int:
 def saved_bytes(techniques: list[str], size: int) -> int:
     """Bytes of the distinct storages the forward saves for backward, under bf16 autocast
     (checkpoint's regions save through the same hooks: respect_saved_tensors_hooks)."""
-    storages: dict[int, int] = {}
+    from memstudy.meters import unique_storage_bytes
+
+    saved: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        saved.append(tensor)
         return tensor
 
     model, x = _model(techniques, size), _image(size)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
             torch.autocast("cpu", dtype=torch.bfloat16):
         model(x)
-    return sum(storages.values())
+    return unique_storage_bytes(saved)
 
 
 def main(argv: list[str] | None = None) -> int:
