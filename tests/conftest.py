@@ -17,9 +17,11 @@ def _threads_per_worker() -> int:
     return max(1, (cores or 1) // workers)
 
 
+SIDE_BY_SIDE = "PYTEST_XDIST_WORKER" in os.environ  # this process is one of several workers
+
 # In each xdist worker, before torch starts its thread pool; subprocesses the tests start
 # (CLI runs, gloo ranks) inherit it. An OMP_NUM_THREADS set by the user is kept.
-if "PYTEST_XDIST_WORKER" in os.environ:
+if SIDE_BY_SIDE:
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker()))
 
 import pytest  # noqa: E402
@@ -147,9 +149,6 @@ def reset_cuda_state() -> None:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
         torch.cuda.reset_peak_memory_stats(index)
     torch.cuda.empty_cache()
-
-
-SIDE_BY_SIDE = "PYTEST_XDIST_WORKER" in os.environ  # this process is one of several workers
 
 
 @pytest.fixture(autouse=True)
