@@ -42,22 +42,44 @@ def nvml_used(index: int) -> int:
     return torch.cuda.device_memory_used(torch.device("cuda", index))
 
 
-def cuda_context_bytes(device: torch.device) -> int:
-    """Bytes the CUDA context of this process occupies on `device`, measured by NVML.
+# device index -> NVML's used bytes before this process created its CUDA context
+_BEFORE_CONTEXT: dict[int, int] = {}
 
-    Before the context exists: NVML used after creating it minus used before (exact unless
-    another process allocates meanwhile). Once it exists (an earlier run in this process):
-    NVML used minus the allocator's reserved bytes, which also counts other processes on the
-    GPU, so the budget is then conservative (docs/budget.md)."""
+
+def note_baseline(index: int) -> None:
+    """Read NVML's used bytes of GPU `index` before this process's CUDA context exists (once).
+
+    NVML counts as used memory that no process of ours holds: what the driver reserves for
+    itself outside CUDA's total (nvidia-smi shows 0 MiB used on an idle H200 while NVML's
+    used is 616 MiB: NVML's total minus CUDA's; driver 580) and what other processes held then.
+    A budget is what this process would need of a card, so that is left out of it."""
+    if index not in _BEFORE_CONTEXT and not torch.cuda.is_initialized():
+        _BEFORE_CONTEXT[index] = nvml_used(index)
+
+
+def device_baseline(index: int) -> int:
+    """NVML's used bytes of GPU `index` before this process's context (note_baseline); 0 where
+    torch had started CUDA before it could be read: unknown, so counted against the budget."""
+    return _BEFORE_CONTEXT.get(index, 0)
+
+
+def process_device_bytes(index: int) -> int:
+    """The device memory this process uses, as NVML sees it: used minus the baseline."""
+    return nvml_used(index) - device_baseline(index)
+
+
+def cuda_context_bytes(device: torch.device) -> int:
+    """Bytes the CUDA context of this process occupies on `device`, measured by NVML: the
+    process's device memory (process_device_bytes) minus the allocator's reserved bytes,
+    creating the context first where it does not exist yet (exact unless another process
+    allocates meanwhile)."""
     index = device.index if device.index is not None else 0
     if not torch.cuda.is_initialized():
-        before = nvml_used(index)
+        note_baseline(index)
         torch.cuda.init()
-        torch.empty(1, device=torch.device("cuda", index))  # the context is created lazily
-        torch.cuda.synchronize(index)
-        return nvml_used(index) - before - torch.cuda.memory_reserved(index)
+    torch.empty(1, device=torch.device("cuda", index))  # the context is created lazily
     torch.cuda.synchronize(index)
-    return nvml_used(index) - torch.cuda.memory_reserved(index)
+    return process_device_bytes(index) - torch.cuda.memory_reserved(index)
 
 
 def apply_budget(limit: int | None, device: torch.device,
@@ -83,7 +105,8 @@ def apply_budget(limit: int | None, device: torch.device,
         if torch.cuda.is_initialized():
             torch.cuda.set_per_process_memory_fraction(1.0, index)
         return {}
-    props = torch.cuda.get_device_properties(index)  # no context needed: read before measuring
+    note_baseline(index)  # before torch reads the properties, which initialises its CUDA
+    props = torch.cuda.get_device_properties(index)
     check_device_total(limit, props.total_memory, props.name)
     context = cuda_context_bytes(torch.device("cuda", index))
     check_floor(limit, context, parameter_bytes, "measured by NVML")
@@ -92,7 +115,7 @@ def apply_budget(limit: int | None, device: torch.device,
     torch.cuda.set_per_process_memory_fraction(fraction, index)
     return {"budget_bytes": limit, "budget_enforced_by": "allocator cap",
             "cuda_context_bytes": context, "allocator_cap_bytes": int(fraction * total),
-            "memory_fraction": fraction}
+            "memory_fraction": fraction, "nvml_baseline_bytes": device_baseline(index)}
 
 
 def recap_after_warmup(limit: int | None, device: torch.device) -> dict[str, Any]:
@@ -102,7 +125,8 @@ def recap_after_warmup(limit: int | None, device: torch.device) -> dict[str, Any
     loads kernels lazily and cuDNN loads its engines on first use, so device memory outside
     PyTorch's allocator grows during the first steps (seen on an H100 at 4188 px: from about
     0.5 GB to 1.2 GB). A budget that kept the first cap would let NVML's figure exceed it. After
-    warm-up the context is NVML used minus the allocator's reserved bytes, the cached blocks are
+    warm-up the context is the process's device memory (process_device_bytes) minus the
+    allocator's reserved bytes, the cached blocks are
     released and the cap becomes budget - context, so the measured steps stay inside the budget
     at device level (`budget_headroom_bytes` in docs/metrics.md says whether they did).
     `limit`: the budget in bytes, as apply_budget takes it."""
@@ -111,7 +135,7 @@ def recap_after_warmup(limit: int | None, device: torch.device) -> dict[str, Any
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.synchronize(index)
     torch.cuda.empty_cache()  # warm-up's cached blocks must fit under the new cap too
-    context = nvml_used(index) - torch.cuda.memory_reserved(index)
+    context = process_device_bytes(index) - torch.cuda.memory_reserved(index)
     total = torch.cuda.get_device_properties(index).total_memory
     fraction = allocator_fraction(limit, context, total)
     torch.cuda.set_per_process_memory_fraction(fraction, index)

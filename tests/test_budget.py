@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import memstudy.budget as budget_mod
 from memstudy.budget import (allocator_fraction, apply_budget, budget_bytes, check_floor,
                              cuda_context_bytes, nvml_used, recap_after_warmup)
 from memstudy.byte_sizes import size_text
@@ -83,23 +84,29 @@ def mock_cuda(monkeypatch):
                         lambda: setattr(cuda, "emptied", cuda.emptied + 1))
     monkeypatch.setattr(budget_mod, "nvml_used", lambda index: ask(index) or cuda.nvml.pop(0))
     monkeypatch.setattr(torch, "empty", empty)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: ask(device) or
-                        SimpleNamespace(total_memory=80 * GIB, name="Mock GPU"))
+    def properties(device=None):  # like torch's, initialises its CUDA (_lazy_init)
+        ask(device)
+        cuda.initialized = True
+        return SimpleNamespace(total_memory=80 * GIB, name="Mock GPU")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(budget_mod, "_BEFORE_CONTEXT", {})  # a fresh process
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda f, i: cuda.caps.append((f, i)))
     return cuda
 
 
 def test_apply_budget_caps_the_allocator_at_budget_minus_the_context(mock_cuda):
-    """Before the context exists, it is NVML used after creating it minus before, minus what
-    the allocator reserved; the allocator's cap leaves it out of the budget."""
+    """Before the context exists, it is NVML used after creating it minus before (read before
+    torch reads the device's properties, which starts its CUDA), minus what the allocator
+    reserved; the allocator's cap leaves it out of the budget."""
     mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]  # before, after the context is created
     facts = apply_budget(4 * GIB, torch.device("cuda", 1), parameter_bytes=100 * MIB)
     context = 698 * MIB
     fraction = (4 * GIB - context) / (80 * GIB)
     assert facts == {"budget_bytes": 4 * GIB, "budget_enforced_by": "allocator cap",
                      "cuda_context_bytes": context, "allocator_cap_bytes": 4 * GIB - context,
-                     "memory_fraction": fraction}
+                     "memory_fraction": fraction, "nvml_baseline_bytes": 3 * GIB}
     assert mock_cuda.caps == [(fraction, 1)] and set(mock_cuda.asked) == {1}
     assert mock_cuda.initialized and mock_cuda.nvml == []  # NVML read before and after
 
@@ -111,6 +118,7 @@ def test_a_device_without_an_index_is_device_0_before_the_context_exists(mock_cu
     assert facts["cuda_context_bytes"] == 698 * MIB and set(mock_cuda.asked) == {0}
     assert mock_cuda.caps == [((4 * GIB - 698 * MIB) / (80 * GIB), 0)]
     mock_cuda.initialized, mock_cuda.asked = False, []
+    budget_mod._BEFORE_CONTEXT.clear()  # another process
     mock_cuda.nvml = [GIB, GIB + 10 * MIB]
     assert cuda_context_bytes(torch.device("cuda")) == 8 * MIB and set(mock_cuda.asked) == {0}
 
@@ -141,24 +149,28 @@ def test_no_budget_lifts_an_earlier_cap_without_creating_the_context(mock_cuda):
     assert mock_cuda.caps == [(1.0, 3)] and mock_cuda.asked == []
 
 
+def fresh_process(cuda, nvml: list[int]) -> None:
+    cuda.initialized, cuda.caps, cuda.nvml = False, [], nvml
+    budget_mod._BEFORE_CONTEXT.clear()
+
+
 def test_a_budget_the_device_cannot_give_is_refused_before_any_cap(mock_cuda):
+    mock_cuda.nvml = [3 * GIB]
     with pytest.raises(ConfigError) as info:
         apply_budget(81 * GIB, torch.device("cuda", 0))
     assert str(info.value) == ("budget 81GiB exceeds the 81920 MB of the Mock GPU; lower "
                                "--budget to at most 81920MiB or drop it")
-    assert not mock_cuda.initialized and mock_cuda.asked == [0]  # the capacity read, no more
-    mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]
+    assert mock_cuda.asked == [0, 0] and mock_cuda.nvml == []  # the baseline, the capacity
+    fresh_process(mock_cuda, [3 * GIB, 3 * GIB + 700 * MIB])
     facts = apply_budget(80 * GIB, torch.device("cuda", 0))  # all of it: accepted
     assert facts["allocator_cap_bytes"] == 80 * GIB - 698 * MIB and mock_cuda.caps
-    mock_cuda.caps, mock_cuda.initialized = [], False
-    mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]
+    fresh_process(mock_cuda, [3 * GIB, 3 * GIB + 700 * MIB])
     with pytest.raises(ConfigError) as info:
         apply_budget(750 * MIB, torch.device("cuda", 0), parameter_bytes=100 * MIB)
     assert str(info.value) == (
         "budget 750MiB cannot hold the CUDA context (698 MB, measured by NVML) plus the model's "
         "parameters (100 MB), before any activation; raise --budget above 798MiB")
-    mock_cuda.nvml = [3 * GIB, 3 * GIB + 700 * MIB]
-    mock_cuda.initialized = False
+    fresh_process(mock_cuda, [3 * GIB, 3 * GIB + 700 * MIB])
     with pytest.raises(ConfigError, match="raise --budget above 798MiB"):  # equal: nothing left
         apply_budget(798 * MIB, torch.device("cuda", 0), parameter_bytes=100 * MIB)
     assert mock_cuda.caps == []
@@ -256,6 +268,20 @@ def test_recap_after_warmup_caps_by_the_grown_context(mock_cuda):
     assert recap_after_warmup(4 * GIB, torch.device("cpu")) == {}
     mock_cuda.initialized = False  # no run has made a context: nothing to re-measure
     assert recap_after_warmup(4 * GIB, torch.device("cuda", 0)) == {}
+
+
+def test_what_nvml_counted_before_the_context_is_left_out_of_every_later_measure(mock_cuda):
+    """NVML counts the driver's own reservation as used (616 MiB on an idle H200, where
+    nvidia-smi shows 0): read before the context, it is subtracted from the context at the
+    start and after warm-up, so the budget is what this process uses of the card."""
+    mock_cuda.nvml = [616 * MIB, 616 * MIB + 530 * MIB]
+    facts = apply_budget(4 * GIB, torch.device("cuda", 0))
+    assert facts["cuda_context_bytes"] == 528 * MIB  # 530 MiB less the 2 MiB reserved
+    assert facts["nvml_baseline_bytes"] == 616 * MIB
+    mock_cuda.nvml = [616 * MIB + 730 * MIB + 2 * MIB]  # the context grew by 200 MiB
+    after = recap_after_warmup(4 * GIB, torch.device("cuda", 0))
+    assert after["cuda_context_after_warmup_bytes"] == 730 * MIB
+    assert after["allocator_cap_after_warmup_bytes"] == 4 * GIB - 730 * MIB
 
 
 @pytest.mark.parametrize("cause, status", [

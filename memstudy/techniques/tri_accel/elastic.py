@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from memstudy.budget import process_device_bytes
+
 
 @dataclass
 class ElasticBatch:
@@ -52,7 +54,8 @@ class CudaMemory:
 
     def read(self) -> float:
         reserved = torch.cuda.memory_reserved(self.device)
-        outside = max(0, torch.cuda.device_memory_used(self.device) - reserved)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        outside = max(0, process_device_bytes(index) - reserved)
         used = torch.cuda.max_memory_reserved(self.device) + outside
         torch.cuda.reset_peak_memory_stats(self.device)  # next window starts now
         return float(used)
