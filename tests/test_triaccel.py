@@ -199,6 +199,7 @@ def test_efficiency_score_definition_and_stored_run(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.alone  # the elastic batch reads NVML's used memory, which tests beside it change
 def test_full_tri_accel_run_on_gpu(make_config, tmp_path):
     from memstudy.runner import execute
     from memstudy.store import ResultsDB
