@@ -272,8 +272,10 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
                      "started": r["started_at"],
                      "phase": r["failed_phase"],
                      "peak": max(peaks) if peaks else None, "gpu": r["gpu_name"],
+                     # this process's device memory: less what NVML counted as used before it
+                     # (recorded from 2026-11-29 on; older records include it: docs/budget.md)
                      "nvml": max((m.get("nvml_peak_bytes", 0) for m in metrics.values()),
-                                 default=0),
+                                 default=0) - _nvml_baseline(r),
                      "step": run.get("step_time_s") or run.get("metered_step_time_s"),
                      "retries": run.get("alloc_retries"),
                      "timed_retries": _timed_retries(rdb, r["id"]),
@@ -294,7 +296,8 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
                                                           default=time.time())))
     lines = [f"GPU: **{', '.join(gpus) or 'unknown'}**; recorded {when} UTC. "
              "Allocator peak = largest absolute allocator peak of any phase (no CUDA context); "
-             "NVML peak = device memory used, CUDA context included. Validation: MS-SSIM (enhancement) or Dice (segmentation) after the "
+             "NVML peak = this process's device memory (NVML's used less what it counted before the "
+             "process started), CUDA context included. Validation: MS-SSIM (enhancement) or Dice (segmentation) after the "
              "same steps on the same phantoms. Retries: the allocator's `num_alloc_retries` over the "
              "run, and over its timed steps (series `alloc_retries`; docs/metrics.md).", "",
              "| run | status | allocator peak MiB | NVML peak MiB | retries (run / timed) | step s | "
@@ -315,6 +318,12 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
             f"{r['busy']:.1f}" if r.get("busy") else "-",
             r["quality"] or "-", rel, r["error"] + " |"]))
     return lines
+
+
+def _nvml_baseline(run: dict) -> int:
+    """NVML's used bytes before the run's process created its CUDA context (0 where the record
+    predates it or the run had no budget)."""
+    return json.loads(run.get("env_json") or "{}").get("nvml_baseline_bytes") or 0
 
 
 def _timed_retries(rdb, run_id: int) -> float | None:

@@ -101,11 +101,11 @@ def apply_budget(limit: int | None, device: torch.device,
         index = device.index
     else:  # asking torch for the current device would initialise CUDA before the measurement
         index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    note_baseline(index)  # before torch reads the properties, which initialises its CUDA
     if limit is None:
         if torch.cuda.is_initialized():
             torch.cuda.set_per_process_memory_fraction(1.0, index)
-        return {}
-    note_baseline(index)  # before torch reads the properties, which initialises its CUDA
+        return {"nvml_baseline_bytes": device_baseline(index)}
     props = torch.cuda.get_device_properties(index)
     check_device_total(limit, props.total_memory, props.name)
     context = cuda_context_bytes(torch.device("cuda", index))

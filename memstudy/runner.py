@@ -200,10 +200,11 @@ def _fill(record: RunRecord, recorder: PhaseRecorder | None, state: TrainState,
     run = summary.setdefault("run", {})
     run["steps"] = state.step
     limit = plan.budget_bytes
-    if limit is not None and "nvml_peak_total_bytes" in run:  # negative: the device went over
+    if "nvml_peak_total_bytes" in run:
         run["nvml_process_peak_bytes"] = (run["nvml_peak_total_bytes"]
                                           - record.env.get("nvml_baseline_bytes", 0))
-        run["budget_headroom_bytes"] = limit - run["nvml_process_peak_bytes"]
+        if limit is not None:  # negative: the device went over
+            run["budget_headroom_bytes"] = limit - run["nvml_process_peak_bytes"]
     run["oom_retries"] = state.oom_retries
     if state.energy_j is not None:
         run["energy_j"] = state.energy_j

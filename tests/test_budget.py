@@ -142,10 +142,12 @@ def test_once_the_context_exists_it_is_nvml_used_minus_reserved(mock_cuda):
 
 
 def test_no_budget_lifts_an_earlier_cap_without_creating_the_context(mock_cuda):
-    assert apply_budget(None, torch.device("cuda", 0)) == {}
+    """...and reads NVML's baseline, so an unbudgeted run's device peak is its own too."""
+    mock_cuda.nvml = [616 * MIB]
+    assert apply_budget(None, torch.device("cuda", 0)) == {"nvml_baseline_bytes": 616 * MIB}
     assert mock_cuda.caps == [] and not mock_cuda.initialized  # no context to cap yet
-    mock_cuda.initialized = True
-    assert apply_budget(None, torch.device("cuda", 3)) == {}
+    mock_cuda.initialized, mock_cuda.asked = True, []
+    assert apply_budget(None, torch.device("cuda", 3)) == {"nvml_baseline_bytes": 0}
     assert mock_cuda.caps == [(1.0, 3)] and mock_cuda.asked == []
 
 

@@ -121,7 +121,7 @@ def test_the_fastest_plan_that_fits_with_its_tallest_strips():
     (4192, 4, True, "levels2", 1400),          # 4188 px padded: 3 strips
     (4192, 2, False, "levels4-stream", 848),   # with offload_optim: 5 strips
     (4192, 8, True, "levels2", 4192),          # the whole image in one strip
-    (8192, 8, True, "levels2", 412),           # 20 strips
+    (8192, 8, True, "levels3", 1640),          # 5 strips (levels2's would be under MIN_ROWS)
     (12288, 8, True, "levels4-stream", 1536),  # 8 strips
     (16384, 8, True, "levels4-stream", 864),   # 19 strips
 ])

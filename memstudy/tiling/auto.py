@@ -58,7 +58,10 @@ CALIBRATION_NETWORK = ("resnet34", 16)  # encoder, state bytes per parameter (Ad
 # counted as used before the process started (memstudy.budget.note_baseline), then included
 CONTEXT_AFTER_WARMUP = 736 * MIB
 MARGIN = 0.9  # of what the context leaves: the model's error, a larger context, fragmentation
-MIN_ROWS = 256  # a faster plan is taken only with strips at least this tall (or the image)
+# a faster plan is taken only with strips at least this tall (or the image): each strip costs
+# the host its launches, and at 8192 px under 8 GiB levels2's 20 strips of 412 rows took 0.911 s
+# where levels3's 7 of 1176 took 0.794 s (H200, benchmarks/results/h200/auto/)
+MIN_ROWS = 512
 
 
 @dataclass(frozen=True)
