@@ -275,7 +275,8 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
                      # this process's device memory: less what NVML counted as used before it
                      # (recorded from 2026-11-29 on; older records include it: docs/budget.md)
                      "nvml": max((m.get("nvml_peak_bytes", 0) for m in metrics.values()),
-                                 default=0) - _nvml_baseline(r),
+                                 default=0) - (_nvml_baseline(r) or 0),
+                     "whole_device": _nvml_baseline(r) is None,
                      "step": run.get("step_time_s") or run.get("metered_step_time_s"),
                      "retries": run.get("alloc_retries"),
                      "timed_retries": _timed_retries(rdb, r["id"]),
@@ -297,7 +298,8 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
     lines = [f"GPU: **{', '.join(gpus) or 'unknown'}**; recorded {when} UTC. "
              "Allocator peak = largest absolute allocator peak of any phase (no CUDA context); "
              "NVML peak = this process's device memory (NVML's used less what it counted before the "
-             "process started), CUDA context included. Validation: MS-SSIM (enhancement) or Dice (segmentation) after the "
+             "process started), CUDA context included; \"(device)\": a record without that "
+             "baseline, the whole device's used memory. Validation: MS-SSIM (enhancement) or Dice (segmentation) after the "
              "same steps on the same phantoms. Retries: the allocator's `num_alloc_retries` over the "
              "run, and over its timed steps (series `alloc_retries`; docs/metrics.md).", "",
              "| run | status | allocator peak MiB | NVML peak MiB | retries (run / timed) | step s | "
@@ -310,7 +312,8 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
         lines.append(" | ".join([
             f"| {r['label']}", r["status"] + (f" in {r['phase']}" if r["phase"] else ""),
             f"{r['peak'] / 2**20:.0f}" if r["peak"] else "-",
-            f"{r['nvml'] / 2**20:.0f}" if r["nvml"] else "-",
+            (f"{r['nvml'] / 2**20:.0f}" + (" (device)" if r["whole_device"] else ""))
+            if r["nvml"] else "-",
             "-" if r["retries"] is None else f"{r['retries']:.0f}" + (
                 "" if r["timed_retries"] is None else f" / {r['timed_retries']:.0f}"),
             f"{r['step']:.3f}" if r["step"] else "-", ratio,
@@ -320,10 +323,10 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
     return lines
 
 
-def _nvml_baseline(run: dict) -> int:
-    """NVML's used bytes before the run's process created its CUDA context (0 where the record
-    predates it or the run had no budget)."""
-    return json.loads(run.get("env_json") or "{}").get("nvml_baseline_bytes") or 0
+def _nvml_baseline(run: dict) -> int | None:
+    """NVML's used bytes before the run's process created its CUDA context; None where the
+    record predates it (its NVML peak is then the whole device's, marked "(device)")."""
+    return json.loads(run.get("env_json") or "{}").get("nvml_baseline_bytes")
 
 
 def _timed_retries(rdb, run_id: int) -> float | None:

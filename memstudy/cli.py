@@ -143,7 +143,11 @@ def summarize(rec) -> str:
         lines.append(f"time per step {run['step_time_s']:.3f} s{extra} | "
                      f"{run['throughput_px_s'] / 1e6:.2f} Mpx/s | "
                      f"{run.get('model_tflops_s', float('nan')):.2f} model TFLOP/s")
-    if "nvml_peak_total_bytes" in run:
+    if "nvml_process_peak_bytes" in run:
+        lines.append(f"peak allocated {mb(run['alloc_peak_total_bytes']):.1f} MB | this process's "
+                     f"device memory peak {mb(run['nvml_process_peak_bytes']):.1f} MB (NVML, CUDA "
+                     "context included)")
+    elif "nvml_peak_total_bytes" in run:
         lines.append(f"peak allocated {mb(run['alloc_peak_total_bytes']):.1f} MB | NVML device used "
                      f"peak {mb(run['nvml_peak_total_bytes']):.1f} MB (CUDA context included)")
     if "host_peak_bytes" in run:
