@@ -99,7 +99,8 @@ def stages(cudnn_benchmark: bool) -> list[tuple[str, int]]:
     bn = torch.nn.BatchNorm2d(64).cuda()
     bn(x.detach().float().requires_grad_()).sum().backward()
     mark("+ cuDNN: BatchNorm forward + backward")
-    z = torch.randn(1, 64, 256, 256, device="cuda", dtype=torch.bfloat16)
+    z = torch.randn(1, 64, 256, 256, device="cuda", dtype=torch.bfloat16).to(
+        memory_format=torch.channels_last)  # the layout the kernels take (norm_act.supported)
     if norm_act.supported(z):
         _, mean, var = norm_act.moments(z)
         scale = torch.ones(64, device="cuda")

@@ -9,6 +9,9 @@ ReLU, copies and other memory-bound work count nothing. The default U-Net (ResNe
 batch 1, on the CPU. Sizes scale the study's: 1040 px with 208-row strips is 4160 px with
 832-row strips (tile:auto's 5 strips at 4188 px under 4 GiB) at a sixteenth of the pixels.
 
+`PARTIAL_MODULES` in a set's name: bench_ladder.PARTIAL_MODULES, the blocks PARTIAL_SET
+recomputes (layer1-3 and decoder blocks 1-2; layer4 and decoder block 0 stay saved).
+
     python benchmarks/bench_step_flops.py --out benchmarks/results/cpu/step-flops
 """
 from __future__ import annotations
@@ -20,9 +23,12 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench_ladder import PARTIAL_MODULES  # noqa: E402 (benchmarks/ is this script's folder)
+
 SETS = ["checkpoint", "tile:rows={rows}:keep=all", "checkpoint,tile:rows={rows}:keep=all",
         "checkpoint,tile:rows={rows}:keep=half", "checkpoint,tile:rows={rows}:keep=bn",
-        "checkpoint:selective,tile:rows={rows}:keep=all"]
+        "checkpoint:selective,tile:rows={rows}:keep=all",
+        f"checkpoint:modules:modules={PARTIAL_MODULES},tile:rows={{rows}}:keep=all"]
 
 
 def _model(techniques: list[str], size: int) -> torch.nn.Module:
@@ -73,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     for entry in ["", *SETS]:
         techniques = [t for t in entry.format(rows=args.rows).split(",") if t]
         flops = plain if not techniques else step_flops(techniques, args.size)
-        name = f"`{','.join(techniques)}`" if techniques else "plain (no technique)"
+        name = (f"`{','.join(techniques)}`".replace(PARTIAL_MODULES, "PARTIAL_MODULES")
+                if techniques else "plain (no technique)")
         lines.append(f"| {name} | {flops / 1e9:.1f} | {flops / plain:.3f} | "
                      f"{saved_bytes(techniques, args.size) / 2**20:.1f} |")
         print(lines[-1], flush=True)

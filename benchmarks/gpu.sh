@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
 # then are packed into one archive, $OUT/results.tgz.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-large] [networks] [tile-selective] [tile-strips-4gib] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-large] [networks] [tile-selective] [tile-partial] [tile-strips-4gib] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -138,6 +138,11 @@ for item in $STEPS; do
             sel=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.SELECTIVE_SET)")
             auto=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
             MEMSTUDY_PROFILE_TABLE="$RES/selective-4188/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/selective-4188" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$sel;$auto;$sel;$auto" 2>&1 | tee -a "$RES/tile-selective.log" ;;
+        # recomputing fewer untiled blocks (bench_ladder.PARTIAL_SET) against tile:auto, alternating
+        tile-partial) mkdir -p "$RES/partial-4188"
+            part=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.PARTIAL_SET)")
+            auto=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
+            $PY benchmarks/bench_ladder.py --part native --out "$RES/partial-4188" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$part;$auto;$part;$auto" 2>&1 | tee -a "$RES/tile-partial.log" ;;
         # tile:auto's strips at 4188 px under 4 GiB against more, shorter ones (fewer allocator
         # retries near the cap?), alternating, beside the tuned step
         tile-strips-4gib) mkdir -p "$RES/strips-4188-4gib"
