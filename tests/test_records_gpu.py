@@ -80,6 +80,10 @@ def test_the_budget_cap_leaves_the_cuda_context_out(make_config):
     grown = env["cuda_context_after_warmup_bytes"]  # re-capped by the context after warm-up
     assert abs(env["allocator_cap_after_warmup_bytes"]
                - (env["budget_bytes"] - grown)) <= STORED_TOLERANCE
+    run = {name: v for r, phase, name, v in rec.metrics if r == 0 and phase == "run"}
+    baseline = env["nvml_baseline_bytes"]  # NVML's used bytes before this process's context
+    assert run["nvml_process_peak_bytes"] == run["nvml_peak_total_bytes"] - baseline
+    assert run["budget_headroom_bytes"] == env["budget_bytes"] - run["nvml_process_peak_bytes"]
     cap = env["allocator_cap_after_warmup_bytes"]
     under, over = _probe_cap(cap, device)
     assert under and not over, f"the allocator's cap is not {cap / MIB:.0f} MiB"

@@ -171,7 +171,8 @@ def test_a_16384_px_step_trains_under_an_8_gib_cap_with_tile_auto(tmp_path):
     """memstudy run at 16384 x 16384 with tile:auto under --budget 8GiB (CUDA context
     included): one warm-up step (after which the cap is set by the context as it has grown:
     budget.recap_after_warmup), one measured step and validation, in its own process (the budget caps the
-    process's allocator); status ok, NVML peak within the budget, the pick recorded."""
+    process's allocator); status ok, the process's NVML peak within the budget, the pick
+    recorded."""
     import json
     import sqlite3
     import subprocess
@@ -192,7 +193,7 @@ def test_a_16384_px_step_trains_under_an_8_gib_cap_with_tile_auto(tmp_path):
     with sqlite3.connect(db) as con:
         status, env = con.execute("select status, env_json from runs").fetchone()
         nvml = con.execute("select value from metrics where phase = 'run' and "
-                           "name = 'nvml_peak_total_bytes'").fetchone()[0]
+                           "name = 'nvml_process_peak_bytes'").fetchone()[0]
     assert status == "ok"
     assert nvml <= parse_bytes("8GiB")
     picked = json.loads(env)["notes"]["tile"]["auto"]
