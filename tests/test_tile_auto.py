@@ -72,7 +72,7 @@ def test_other_networks_peaks_are_predicted_within_3_percent_or_above(run):
     """The ResNet-18, -34 and -50 U-Nets trained under tile:auto on an H200 (enhancement and
     segmentation, 4 and 8 GiB): the model, fitted to ResNet-34 alone, predicts each backward
     peak for the plan and strips picked at most 3% low and at most 35% high (measured: ResNet-18
-    -2 / +0%, ResNet-50 +17 to +22%). With the sum of every leaf output below the tiled levels
+    -2 to +2%, ResNet-50 +17 to +27%). With the sum of every leaf output below the tiled levels
     in place of their largest block, ResNet-18's was 19% low (1400-row strips, 20 allocator
     retries a run; 3 with the strips picked now)."""
     encoder, task, _ = run.name.split("-")
