@@ -43,12 +43,9 @@ RUN_VARIANTS = ("default", "cudnn-benchmark-off")
 
 
 def _used() -> int:
-    import pynvml
+    from memstudy.budget import nvml_used  # NVML's figure, without creating a context
 
-    pynvml.nvmlInit()
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    index = int(first) if first.isdigit() else 0
-    return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used
+    return nvml_used(0)
 
 
 def _gpu_name() -> str:

@@ -283,11 +283,11 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
                      "started": r["started_at"],
                      "phase": r["failed_phase"],
                      "peak": max(peaks) if peaks else None, "gpu": r["gpu_name"],
-                     # this process's device memory: less what NVML counted as used before it
-                     # (recorded from 2026-11-29 on; older records include it: docs/budget.md)
-                     "nvml": max((m.get("nvml_peak_bytes", 0) for m in metrics.values()),
-                                 default=0) - (_nvml_baseline(r) or 0),
-                     "whole_device": _nvml_baseline(r) is None,
+                     # this process's device memory (recorded from 2026-11-29 on); older
+                     # records have the whole device's, NVML's idle count included
+                     "nvml": run.get("nvml_process_peak_bytes") or max(
+                         (m.get("nvml_peak_bytes", 0) for m in metrics.values()), default=0),
+                     "whole_device": "nvml_process_peak_bytes" not in run,
                      "step": run.get("step_time_s") or run.get("metered_step_time_s"),
                      "retries": run.get("alloc_retries"),
                      "timed_retries": _timed_retries(rdb, r["id"]),
@@ -332,12 +332,6 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
             f"{r['busy']:.1f}" if r.get("busy") else "-",
             r["quality"] or "-", rel, r["error"] + " |"]))
     return lines
-
-
-def _nvml_baseline(run: dict) -> int | None:
-    """NVML's used bytes before the run's process created its CUDA context; None where the
-    record predates it (its NVML peak is then the whole device's, marked "(device)")."""
-    return json.loads(run.get("env_json") or "{}").get("nvml_baseline_bytes")
 
 
 def _timed_retries(rdb, run_id: int) -> float | None:
