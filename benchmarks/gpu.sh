@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
 # then are packed into one archive, $OUT/results.tgz.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-large] [networks] [tile-selective] [tile-partial] [tile-strips-4gib] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-partial] [tile-strips-4gib] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -122,6 +122,11 @@ for item in $STEPS; do
             $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-4188-4gib" --size 4188 --budget 4GiB --steps 6 --no-float32 --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto.log"
             $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-4188-2gib" --size 4188 --budget 2GiB --steps 4 --no-float32 --no-references --tiled-set "$set,offload_optim" 2>&1 | tee -a "$RES/tile-auto.log"
             for size in ${AUTO_SIZES:-4188 8192}; do
+                $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto.log"
+            done ;;
+        # only AUTO_SIZES (default 8192) under 8 GiB, no tests, no 4188 px rows
+        tile-auto-sizes) set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
+            for size in ${AUTO_SIZES:-8192}; do
                 $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto.log"
             done ;;
         tile-auto-large) $PY -m pytest -q -rP -m large -p no:cacheprovider tests/test_tile_stream_gpu.py 2>&1 | tee "$RES/tile-auto-16384-test.log"
