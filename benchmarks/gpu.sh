@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
 # then are packed into one archive, $OUT/results.tgz.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-partial] [tile-strips-4gib] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -154,6 +154,14 @@ for item in $STEPS; do
             auto=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
             sets=""; for k in 6 8; do sets="$sets;${auto/tile:auto/tile:$k:keep=all}"; done
             $PY benchmarks/bench_ladder.py --part native --out "$RES/strips-4188-4gib" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$auto$sets;$auto$sets" 2>&1 | tee -a "$RES/tile-strips-4gib.log" ;;
+        # tile:auto against the fixed 4 GiB set, which holds the top region's input on the device
+        # (offload:hold=1: no round trip over PCIe for the tensor backward needs first), with 4
+        # and with 3 strips, alternating, beside the tuned step, each step's kernels attributed
+        tile-hold-4gib) mkdir -p "$RES/hold-4188-4gib"
+            auto=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
+            native=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.NATIVE_SET)")
+            sets="$auto;$native;${native/tile:4:/tile:3:}"
+            MEMSTUDY_PROFILE_TABLE="$RES/hold-4188-4gib/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/hold-4188-4gib" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$sets;$sets" 2>&1 | tee -a "$RES/tile-hold-4gib.log" ;;
         # what the CUDA context holds after each first use, and under which settings it shrinks
         context) $PY benchmarks/bench_context.py --out "$RES/context" ${CONTEXT_ARGS:-} 2>&1 | tee "$RES/context.log" ;;
         # the tiled validation forward three times per process: what its first pass pays once
