@@ -156,12 +156,12 @@ for item in $STEPS; do
             $PY benchmarks/bench_ladder.py --part native --out "$RES/strips-4188-4gib" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$auto$sets;$auto$sets" 2>&1 | tee -a "$RES/tile-strips-4gib.log" ;;
         # tile:auto against the fixed 4 GiB set, which holds the top region's input on the device
         # (offload:hold=1: no round trip over PCIe for the tensor backward needs first), with 4
-        # and with 3 strips, alternating, beside the tuned step, each step's kernels attributed
+        # and with 3 strips, alternating (the first two twice), beside the tuned step, each step's kernels attributed
         tile-hold-4gib) mkdir -p "$RES/hold-4188-4gib"
             auto=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
             native=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.NATIVE_SET)")
-            sets="$auto;$native;${native/tile:4:/tile:3:}"
-            MEMSTUDY_PROFILE_TABLE="$RES/hold-4188-4gib/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/hold-4188-4gib" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$sets;$sets" 2>&1 | tee -a "$RES/tile-hold-4gib.log" ;;
+            sets="$auto;$native;${native/tile:4:/tile:3:};$auto;$native"
+            MEMSTUDY_PROFILE_TABLE="$RES/hold-4188-4gib/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/hold-4188-4gib" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$sets" 2>&1 | tee -a "$RES/tile-hold-4gib.log" ;;
         # what the CUDA context holds after each first use, and under which settings it shrinks
         context) $PY benchmarks/bench_context.py --out "$RES/context" ${CONTEXT_ARGS:-} 2>&1 | tee "$RES/context.log" ;;
         # the tiled validation forward three times per process: what its first pass pays once
