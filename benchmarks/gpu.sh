@@ -156,7 +156,8 @@ for item in $STEPS; do
             $PY benchmarks/bench_ladder.py --part native --out "$RES/strips-4188-4gib" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$auto$sets;$auto$sets" 2>&1 | tee -a "$RES/tile-strips-4gib.log" ;;
         # tile:auto against the fixed 4 GiB set, which holds the top region's input on the device
         # (offload:hold=1: no round trip over PCIe for the tensor backward needs first), with 4
-        # and with 3 strips, alternating (the first two twice), beside the tuned step, each step's kernels attributed
+        # and with 3 strips, alternating (the first two twice), beside the tuned step, each step's kernels
+        # attributed; about 5 minutes on an H200 (230 s ended it before the tuned step)
         tile-hold-4gib) mkdir -p "$RES/hold-4188-4gib"
             auto=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
             native=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.NATIVE_SET)")
