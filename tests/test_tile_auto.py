@@ -171,6 +171,18 @@ def test_the_run_tiles_with_the_pick_spelled_out(size, budget, monkeypatch):
     assert any(t.startswith("tile:tiles=auto:") for t in plan.applied())  # auto's own hash
 
 
+def test_holding_the_last_boundary_plans_as_without_it():
+    """offload:hold=1 keeps the tensor the backward brings back first: tile:auto plans the same
+    strips with it, and keeps it in the run's offload options (measured peak no higher:
+    benchmarks/results/h200/hold-4188-4gib/)."""
+    from memstudy.techniques.tile import concrete
+
+    held = cuda_plan(SET.replace("prefetch=1", "prefetch=1:hold=1"))
+    plain = cuda_plan(SET)
+    assert held.chosen["offload"].hold == 1
+    assert concrete(held.chosen["tile"], held) == concrete(plain.chosen["tile"], plain)
+
+
 @pytest.mark.parametrize("techniques, budget, size, refusal", [
     (SET, None, 4188, "tile:auto plans the strips for a memory budget"),
     ("amp:bf16,offload:which=all,tile:auto", "4GiB", 4188, "add checkpoint, or"),
@@ -180,8 +192,8 @@ def test_the_run_tiles_with_the_pick_spelled_out(size, budget, monkeypatch):
     (SET, "1.5GiB", 16384, "tile:auto finds no plan"),
     (SET.replace("checkpoint", "checkpoint:selective"), "4GiB", 4188,
      "checkpoint:selective keeps more on the device"),
-    (SET.replace("prefetch=1", "prefetch=2:hold=1"), "4GiB", 4188,
-     "offload:prefetch=2, offload:hold=1 keeps more on the device"),
+    (SET.replace("prefetch=1", "prefetch=2:hold=2"), "4GiB", 4188,
+     "offload:prefetch=2, offload:hold=2 keeps more on the device"),
 ])
 def test_what_auto_cannot_plan_is_refused_before_anything_runs(techniques, budget, size,
                                                                 refusal):
