@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from memstudy.budget import process_device_bytes
+from memstudy.env import indexed_device
 
 
 @dataclass
@@ -54,8 +55,7 @@ class CudaMemory:
 
     def read(self) -> float:
         reserved = torch.cuda.memory_reserved(self.device)
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        outside = max(0, process_device_bytes(index) - reserved)
+        outside = max(0, process_device_bytes(indexed_device(self.device).index) - reserved)
         used = torch.cuda.max_memory_reserved(self.device) + outside
         torch.cuda.reset_peak_memory_stats(self.device)  # next window starts now
         return float(used)
