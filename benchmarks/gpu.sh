@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
 # then are packed into one archive, $OUT/results.tgz.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -124,10 +124,14 @@ for item in $STEPS; do
             for size in ${AUTO_SIZES:-4188 8192}; do
                 $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto.log"
             done ;;
-        # only AUTO_SIZES (default 8192) under 8 GiB, no tests, no 4188 px rows
-        tile-auto-sizes) set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
+        # only AUTO_SIZES (default 8192) under 8 GiB, no tests, no 4188 px rows; AUTO_SET_NAME
+        # (a bench_ladder name, default AUTO_SET; e.g. AUTO_HOLD_SET) picks the set, and names
+        # the folders after it when it is another
+        tile-auto-sizes) name=${AUTO_SET_NAME:-AUTO_SET}
+            set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.$name)") || exit 1
+            suffix=""; [ "$name" = AUTO_SET ] || suffix="-$(echo "$name" | tr 'A-Z_' 'a-z-')"
             for size in ${AUTO_SIZES:-8192}; do
-                $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto.log"
+                $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-$size$suffix" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto$suffix.log"
             done ;;
         tile-auto-large) $PY -m pytest -q -rP -m large -p no:cacheprovider tests/test_tile_stream_gpu.py 2>&1 | tee "$RES/tile-auto-16384-test.log"
             set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
@@ -143,6 +147,12 @@ for item in $STEPS; do
             sel=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.SELECTIVE_SET)")
             auto=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
             MEMSTUDY_PROFILE_TABLE="$RES/selective-4188/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/selective-4188" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$sel;$auto;$sel;$auto" 2>&1 | tee -a "$RES/tile-selective.log" ;;
+        # no convolution recomputed with narrower strips than the 4 strips that ran out of memory
+        # in the first forward (6 and 8), each against tile:auto with hold=1, alternating
+        tile-selective-strips) mkdir -p "$RES/selective-strips-4188"
+            sel=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.SELECTIVE_SET)")
+            hold=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_HOLD_SET)")
+            $PY benchmarks/bench_ladder.py --part native --out "$RES/selective-strips-4188" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "${sel/tile:4:/tile:6:};$hold;${sel/tile:4:/tile:8:};$hold" 2>&1 | tee -a "$RES/tile-selective-strips.log" ;;
         # recomputing fewer untiled blocks (bench_ladder.PARTIAL_SET) against tile:auto, alternating
         tile-partial) mkdir -p "$RES/partial-4188"
             part=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.PARTIAL_SET)")
