@@ -9,15 +9,20 @@ the cell's run, and the grid says so, naming the run and the settings that diffe
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from memstudy.config import from_dict
 from memstudy.errors import ConfigError
 from memstudy.runner import config_hash, resolved
 from memstudy.store import ResultsDB
 
-if TYPE_CHECKING:
-    from memstudy.grid.spec import Cell
+
+class Cell(Protocol):
+    """What this module reads of a grid's cell (memstudy/grid/spec.py, which imports this
+    module: so the cell is described here, not imported)."""
+    index: int
+    hash: str | None
+    error: str | None
 
 
 def older_records(cells: list[Cell], db: ResultsDB) -> dict[int, str]:
