@@ -10,7 +10,8 @@ saved tensor has the dtype and layout it has on a GPU. Every tensor the U-Net sa
 image size times a fixed factor per level, so the shapes and bytes at the target size are the
 proxy's scaled exactly (both padded to the U-Net's stride: 4188 -> 4192 = 131 x 32, 512 =
 16 x 32). Offload's threshold (`min_bytes`) is applied at the target size. The second of two
-steps is recorded, as `hold` counts from the forward before.
+steps is recorded, as `hold` counts from the forward before. Not for `tile:stream`, whose
+host boundaries a CPU step cannot tell from the device's.
 """
 from __future__ import annotations
 
@@ -122,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     if padded(args.proxy) != args.proxy:
         sys.exit(f"--proxy {args.proxy} is no multiple of the U-Net's stride {STRIDE}; use "
                  f"{padded(args.proxy)}")
+    if "stream=true" in args.techniques:
+        sys.exit("tile:stream keeps its boundaries in host memory itself and offload leaves "
+                 "them there; a CPU step cannot tell them from the device's, so this count "
+                 "would include them: drop stream=true")
     scale = Fraction(padded(args.size), args.proxy)
     text = table(at_target(saved_in_order(proxy_config(args), scale), scale), args)
     if args.out:

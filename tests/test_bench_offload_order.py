@@ -5,6 +5,8 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import bench_offload_order as order  # noqa: E402
 
@@ -27,7 +29,10 @@ def test_the_scaled_listing_equals_the_one_computed_at_the_target():
 
 
 def test_a_proxy_off_the_stride_is_one_line_naming_the_fix():
-    import pytest
-
     with pytest.raises(SystemExit, match="--proxy 100 is no multiple of the U-Net's stride 32; use 128"):
         order.main(["--proxy", "100"])
+
+
+def test_stream_is_refused_since_the_cpu_cannot_tell_its_host_boundaries():
+    with pytest.raises(SystemExit, match="tile:stream keeps its boundaries in host memory"):
+        order.main(["--techniques", "amp:bf16,checkpoint,tile:5:levels=4:stream=true"])
