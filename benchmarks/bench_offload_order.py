@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from memstudy.config import RunConfig, set_value
+from memstudy.errors import ConfigError
 from memstudy.models.unet import STRIDE
 from memstudy.techniques.compose import build_pipeline, make_plan
 from memstudy.techniques.offload import Offloader
@@ -128,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
                  "them there; a CPU step cannot tell them from the device's, so this count "
                  "would include them: drop stream=true")
     scale = Fraction(padded(args.size), args.proxy)
-    text = table(at_target(saved_in_order(proxy_config(args), scale), scale), args)
+    try:
+        copied = saved_in_order(proxy_config(args), scale)
+    except ConfigError as error:  # a bad technique, setting or size: one line, no traceback
+        sys.exit(f"bench_offload_order: {error}")
+    text = table(at_target(copied, scale), args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "offload-order.md").write_text(text)

@@ -36,3 +36,12 @@ def test_a_proxy_off_the_stride_is_one_line_naming_the_fix():
 def test_stream_is_refused_since_the_cpu_cannot_tell_its_host_boundaries():
     with pytest.raises(SystemExit, match="tile:stream keeps its boundaries in host memory"):
         order.main(["--techniques", "amp:bf16,checkpoint,tile:5:levels=4:stream=true"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--techniques", "bogus"], "unknown technique 'bogus'"),
+    (["--set", "model.encoder=resnet99"], "model.encoder = 'resnet99' is not a ResNet-family"),
+])
+def test_a_bad_technique_or_setting_is_one_line(argv, says):
+    with pytest.raises(SystemExit, match=f"^bench_offload_order: {says}"):
+        order.main(argv)
