@@ -16,6 +16,7 @@ host boundaries a CPU step cannot tell from the device's.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -24,12 +25,13 @@ import torch
 
 from memstudy.config import RunConfig, set_value
 from memstudy.errors import ConfigError
-from memstudy.models.unet import STRIDE
+from memstudy.models.unet import STRIDE, padding_for
 from memstudy.techniques.compose import build_pipeline, make_plan
 from memstudy.techniques.offload import Offloader
+from memstudy.techniques.options import OffloadOptions
 
 MIB = 1 << 20
-DEFAULT_MIN_BYTES = 64 * 1024  # offload's default min_bytes
+DEFAULT_MIN_BYTES = OffloadOptions().min_bytes
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def padded(side: int) -> int:
-    return -(-side // STRIDE) * STRIDE
+    return side + padding_for(side, side)[0]
 
 
 def proxy_config(args: argparse.Namespace) -> RunConfig:
@@ -95,10 +97,8 @@ def at_target(copied: list[torch.Tensor], scale: Fraction) -> list[tuple[tuple[i
     for t in copied:
         shape = (*t.shape[:-2], *(int(side * scale) for side in t.shape[-2:]))
         assert all(side * scale == int(side * scale) for side in t.shape[-2:]), (t.shape, scale)
-        count = 1
-        for side in shape:
-            count *= side
-        scaled.append((shape, str(t.dtype).removeprefix("torch."), count * t.element_size()))
+        scaled.append((shape, str(t.dtype).removeprefix("torch."),
+                       math.prod(shape) * t.element_size()))
     return scaled
 
 
