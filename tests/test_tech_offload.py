@@ -378,3 +378,17 @@ def test_shared_copies_keep_invertible_gradients_identical():
     grads = hooked_grads(model, x, (off.pack, off.unpack))
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
     assert off.stats["reused"] > 0
+
+
+def test_every_series_offload_records_is_defined_in_metrics_md():
+    """Each `offload_*` figure a run records (memstudy/techniques/offload.py: the window's and
+    the transfers' run totals, the copy-back times on CUDA) has its definition in
+    docs/metrics.md."""
+    from pathlib import Path
+
+    from memstudy.techniques.offload import CopyTimes
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    names = [*Offloader(CPU, CPU).stats, *CopyTimes().totals()]
+    missing = [f"offload_{name}" for name in names if f"`offload_{name}`" not in text]
+    assert not missing, f"docs/metrics.md does not define {missing}"
