@@ -1,4 +1,6 @@
 """offload: the pack / unpack pair on the CPU (host = compute = cpu), the harness on a GPU."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ from memstudy.models import build_unet
 from memstudy.runner import execute
 from memstudy.techniques import get_technique
 from memstudy.techniques.base import Plan
-from memstudy.techniques.offload import Offloader, PrefetchWindow
+from memstudy.techniques.offload import CopyTimes, Offloader, PrefetchWindow
 from helpers import hooked_grads, saved_bytes
 
 TECH = get_technique("offload")
@@ -384,10 +386,6 @@ def test_every_series_offload_records_is_defined_in_metrics_md():
     """Each `offload_*` figure a run records (memstudy/techniques/offload.py: the window's and
     the transfers' run totals, the copy-back times on CUDA) has its definition in
     docs/metrics.md."""
-    from pathlib import Path
-
-    from memstudy.techniques.offload import CopyTimes
-
     text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
     names = [*Offloader(CPU, CPU).stats, *CopyTimes().totals()]
     missing = [f"offload_{name}" for name in names if f"`offload_{name}`" not in text]
