@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from memstudy.config import RunConfig, set_value
+from memstudy.config import RunConfig, set_value, split_techniques
 from memstudy.errors import ConfigError
 from memstudy.models.unet import STRIDE, padding_for
 from memstudy.techniques.compose import build_pipeline, make_plan
@@ -51,7 +51,7 @@ def padded(side: int) -> int:
 
 
 def proxy_config(args: argparse.Namespace) -> RunConfig:
-    cfg = RunConfig(techniques=args.techniques.split(","))
+    cfg = RunConfig(techniques=split_techniques(args.techniques))
     cfg.train.image_size, cfg.train.device = args.proxy, "cpu"
     for assignment in args.settings:
         set_value(cfg, assignment)
@@ -63,7 +63,12 @@ def saved_in_order(cfg: RunConfig, scale: Fraction) -> list[torch.Tensor]:
     in order (meta tensors with their shapes, dtypes and strides), with offload's default
     threshold applied at the target size, `scale` times the proxy's side."""
     min_bytes = int(DEFAULT_MIN_BYTES / (scale * scale))
-    build = build_pipeline(make_plan(cfg))
+    plan = make_plan(cfg)
+    if plan.has("tile") and plan.chosen["tile"].stream:
+        raise ConfigError("tile:stream keeps its boundaries in host memory itself and offload "
+                          "leaves them there; a CPU step cannot tell them from the device's, so "
+                          "this count would include them: drop stream=true")
+    build = build_pipeline(plan)
     offloader = Offloader(torch.device("cpu"), torch.device("cpu"), min_bytes=min_bytes,
                           boundaries_only=True)
     copied: list[torch.Tensor] = []
@@ -124,10 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     if padded(args.proxy) != args.proxy:
         sys.exit(f"--proxy {args.proxy} is no multiple of the U-Net's stride {STRIDE}; use "
                  f"{padded(args.proxy)}")
-    if "stream=true" in args.techniques:
-        sys.exit("tile:stream keeps its boundaries in host memory itself and offload leaves "
-                 "them there; a CPU step cannot tell them from the device's, so this count "
-                 "would include them: drop stream=true")
     scale = Fraction(padded(args.size), args.proxy)
     try:
         copied = saved_in_order(proxy_config(args), scale)
