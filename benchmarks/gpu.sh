@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
 # then are packed into one archive, $OUT/results.tgz.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -173,6 +173,14 @@ for item in $STEPS; do
             native=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.NATIVE_SET)")
             sets="$auto;$native;${native/tile:4:/tile:3:};$auto;$native"
             MEMSTUDY_PROFILE_TABLE="$RES/hold-4188-4gib/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/hold-4188-4gib" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$sets" 2>&1 | tee -a "$RES/tile-hold-4gib.log" ;;
+        # the 4 GiB target's ratio at 4188 px: PAIRS (default 3) pairs, each the set
+        # (HOLD_PAIR_SET, default bench_ladder.AUTO_HOLD_SET) then the tuned step, one file each;
+        # the median of the pairs' ratios is the figure (about 70 s a pair on an H200)
+        tile-hold-pairs) name=${HOLD_PAIR_SET:-AUTO_HOLD_SET}
+            set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.$name)") || exit 1
+            for pair in $(seq 1 "${PAIRS:-3}"); do
+                $PY benchmarks/bench_ladder.py --part native --out "$RES/hold-pairs-4188/pair-$pair" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$set" 2>&1 | tee -a "$RES/tile-hold-pairs.log"
+            done ;;
         # what the CUDA context holds after each first use, and under which settings it shrinks
         context) $PY benchmarks/bench_context.py --out "$RES/context" ${CONTEXT_ARGS:-} 2>&1 | tee "$RES/context.log" ;;
         # the tiled validation forward three times per process: what its first pass pays once
