@@ -3,11 +3,11 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
 # then are packed into one archive, $OUT/results.tgz.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [host-profile] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
-# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS / NETWORKS_ARGS / VALPASSES_ARGS / CONTEXT_ARGS / PAPER_ARGS / PAPER2_ARGS (e.g. "--sizes 2048")
+# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS / HOSTPROFILE_ARGS / NETWORKS_ARGS / VALPASSES_ARGS / CONTEXT_ARGS / PAPER_ARGS / PAPER2_ARGS (e.g. "--sizes 2048")
 # replace a benchmark's arguments.
 #
 # RESUME=folder   resume earlier results: its *.sqlite are copied into the results folder and
@@ -181,6 +181,11 @@ for item in $STEPS; do
             for pair in $(seq 1 "${PAIRS:-3}"); do
                 $PY benchmarks/bench_ladder.py --part native --out "$RES/hold-pairs-4188/pair-$pair" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$set" 2>&1 | tee -a "$RES/tile-hold-pairs.log"
             done ;;
+        # which Python launches the 4 GiB step's kernels: cProfile around its timed steps
+        # (benchmarks/bench_host_profile.py; HOST_PROFILE_SET, default bench_ladder.AUTO_HOLD_SET)
+        host-profile) name=${HOST_PROFILE_SET:-AUTO_HOLD_SET}
+            set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.$name)") || exit 1
+            $PY benchmarks/bench_host_profile.py --out "$RES/host-profile-4188-4gib" --size 4188 --budget 4GiB -t "$set" --steps 8 --skip 3 ${HOSTPROFILE_ARGS:-} 2>&1 | tee "$RES/host-profile.log" ;;
         # what the CUDA context holds after each first use, and under which settings it shrinks
         context) $PY benchmarks/bench_context.py --out "$RES/context" ${CONTEXT_ARGS:-} 2>&1 | tee "$RES/context.log" ;;
         # the tiled validation forward three times per process: what its first pass pays once

@@ -1,0 +1,149 @@
+"""Where a training step's host time goes: Python's own profiler around the timed steps of one
+`memstudy run`, as a table of the functions with the most own time and the most time under
+them, per step.
+
+    python benchmarks/bench_host_profile.py --out results/host --size 4188 --budget 4GiB \\
+        --techniques amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,tile:auto,allocator:expandable_segments=true
+
+Why: a tiled step launches about twice the tuned step's kernels, and where the GPU's work per
+step is steady while the step is not, the host sets the pace (docs/techniques/tile.md). CUDA's
+profiler shows the kernels; this shows which Python does the launching. Only the steps after
+`--skip` are profiled (warm-up, cuDNN's autotuning and tile:auto's first plan left out), and
+autograd runs its backward on the calling thread (`set_multithreading_enabled(False)`), so
+the backward's Python (custom Functions, saved-tensor hooks, checkpoint's recomputation) is
+profiled too: on CUDA it would otherwise run on autograd's device thread, which the profiler
+does not see. The profiler's own cost inflates every Python call alike, so read the shares,
+not the absolute times.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import memstudy.train as train
+from memstudy.cli import main as memstudy_main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder for host-profile.md and the raw profile")
+    p.add_argument("-t", "--techniques", required=True)
+    p.add_argument("--size", default="4188")
+    p.add_argument("--budget", default=None)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps in all")
+    p.add_argument("--skip", type=int, default=3, help="steps run before profiling starts")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    if not 0 <= args.skip < args.steps:
+        p.error(f"--skip must be at least 0 and below --steps ({args.steps}), got {args.skip}")
+    return args
+
+
+class StepProfiler:
+    """Wraps memstudy.train's step: the steps after `skip` run under one cProfile.Profile."""
+
+    def __init__(self, skip: int):
+        self.skip, self.seen, self.profiled, self.wall_s = skip, 0, 0, 0.0
+        self.profile = cProfile.Profile()
+        self._step = train._train_step
+
+    def __call__(self, *args, **kwargs):
+        self.seen += 1
+        if self.seen <= self.skip:
+            return self._step(*args, **kwargs)
+        _synchronize()
+        started = time.perf_counter()
+        self.profile.enable()
+        try:
+            return self._step(*args, **kwargs)
+        finally:
+            self.profile.disable()
+            _synchronize()
+            self.wall_s += time.perf_counter() - started
+            self.profiled += 1
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _where(key: tuple) -> str:
+    file, line, name = key
+    if file == "~":  # a built-in: its name says it (e.g. <built-in method conv2d ...>)
+        return name
+    for marker in ("site-packages/", "memstudy/", "benchmarks/"):
+        if marker in file:
+            file = file[file.index(marker):]
+            break
+    return f"{file}:{line} {name}"
+
+
+def table(stats: pstats.Stats, steps: int, top: int, by: str) -> list[str]:
+    """The `top` functions by own time (`by` = "own") or by time under them ("cumulative"),
+    in ms per step."""
+    column = 2 if by == "own" else 3
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][column])[:top]
+    lines = ["| own ms / step | under it ms / step | calls / step | function |",
+             "|---|---|---|---|"]
+    for key, (_, calls, own, under, _) in rows:
+        lines.append(f"| {1e3 * own / steps:.2f} | {1e3 * under / steps:.2f} | "
+                     f"{calls / steps:.1f} | `{_where(key)}` |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    run = ["--db", str(out / "host-profile.sqlite"), "run", "--size", args.size, "-t",
+           args.techniques, "--device", args.device, "--steps", str(args.steps), "-q",
+           "--set", "meter.profile=false", "--set", f"train.warmup_steps={min(2, args.skip)}"]
+    if args.budget:
+        run += ["--budget", args.budget]
+    for item in args.set:
+        run += ["--set", item]
+    profiler = StepProfiler(args.skip)
+    train._train_step = profiler
+    torch.autograd.set_multithreading_enabled(False)
+    try:
+        code = memstudy_main(run)
+    finally:
+        train._train_step = profiler._step
+    if code or not profiler.profiled:
+        print(f"bench_host_profile: the run ended with {code}, {profiler.profiled} steps "
+              "profiled; nothing written", file=sys.stderr)
+        return code or 1
+    profiler.profile.dump_stats(out / "host-profile.prof")
+    stats = pstats.Stats(profiler.profile)
+    steps = profiler.profiled
+    text = [f"# Host time of {args.size} px, `{args.techniques}`"
+            + (f" under {args.budget}" if args.budget else ""),
+            "",
+            f"{steps} steps profiled after {args.skip}, on {_device_name(args.device)}; "
+            f"{1e3 * profiler.wall_s / steps:.1f} ms a step under the profiler (its own cost "
+            "included; read the shares). Backward on the calling thread.",
+            "", "## By own time", "", *table(stats, steps, args.top, "own"),
+            "", "## By time under the function", "", *table(stats, steps, args.top, "cumulative"),
+            ""]
+    (out / "host-profile.md").write_text("\n".join(text))
+    print("\n".join(text))
+    return 0
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "the CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
