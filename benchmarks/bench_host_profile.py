@@ -7,13 +7,14 @@ them, per step.
 
 Why: a tiled step launches about twice the tuned step's kernels, and where the GPU's work per
 step is steady while the step is not, the host sets the pace (docs/techniques/tile.md). CUDA's
-profiler shows the kernels; this shows which Python does the launching. Only the steps after
-`--skip` are profiled (warm-up, cuDNN's autotuning and tile:auto's first plan left out), and
-autograd runs its backward on the calling thread (`set_multithreading_enabled(False)`), so
-the backward's Python (custom Functions, saved-tensor hooks, checkpoint's recomputation) is
-profiled too: on CUDA it would otherwise run on autograd's device thread, which the profiler
-does not see. The profiler's own cost inflates every Python call alike, so read the shares,
-not the absolute times.
+profiler shows the kernels; this shows which Python does the launching, and how long the
+step's own Python takes against its wall time. Only the steps after `--skip` are profiled
+(warm-up, cuDNN's autotuning and tile:auto's first plan left out). From Python 3.12 the
+profiler sees every thread (it is built on `sys.monitoring`): autograd's device thread, which
+runs the backward's Python on CUDA (custom Functions, saved-tensor hooks, checkpoint's
+recomputation), and the meter's NVML sampler while a metered step runs; "under
+`_train_step`" is the step's own. The profiler's own cost inflates every Python call alike,
+so read the shares, not the absolute times.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from memstudy.cli import main as memstudy_main
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="folder for host-profile.md and the raw profile")
+    p.add_argument("--out", required=True, help="folder for host-profile.md and the run's database")
     p.add_argument("-t", "--techniques", required=True)
     p.add_argument("--size", default="4188")
     p.add_argument("--budget", default=None)
@@ -80,8 +81,8 @@ def _where(key: tuple) -> str:
     file, line, name = key
     if file == "~":  # a built-in: its name says it (e.g. <built-in method conv2d ...>)
         return name
-    for marker in ("site-packages/", "memstudy/", "benchmarks/"):
-        if marker in file:
+    for marker in ("site-packages/", "memstudy/", "benchmarks/", "python3."):
+        if marker in file:  # no machine paths: the package's or the standard library's own
             file = file[file.index(marker):]
             break
     return f"{file}:{line} {name}"
@@ -113,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
         run += ["--set", item]
     profiler = StepProfiler(args.skip)
     train._train_step = profiler
-    torch.autograd.set_multithreading_enabled(False)
     try:
         code = memstudy_main(run)
     finally:
@@ -122,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_host_profile: the run ended with {code}, {profiler.profiled} steps "
               "profiled; nothing written", file=sys.stderr)
         return code or 1
-    profiler.profile.dump_stats(out / "host-profile.prof")
     stats = pstats.Stats(profiler.profile)
     steps = profiler.profiled
     text = [f"# Host time of {args.size} px, `{args.techniques}`"
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"{steps} steps profiled after {args.skip}, on {_device_name(args.device)}; "
             f"{1e3 * profiler.wall_s / steps:.1f} ms a step under the profiler (its own cost "
-            "included; read the shares). Backward on the calling thread.",
+            "included; read the shares); every thread's Python counted.",
             "", "## By own time", "", *table(stats, steps, args.top, "own"),
             "", "## By time under the function", "", *table(stats, steps, args.top, "cumulative"),
             ""]
