@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import sys
 import time
@@ -41,6 +42,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="optimizer steps in all")
     p.add_argument("--skip", type=int, default=3, help="steps run before profiling starts")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--no-profile", action="store_true",
+                   help="no cProfile: only each step's wall time and the garbage collector's pauses")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() before the first timed step: every object alive then (the "
+                        "model, the data, the run's bookkeeping) leaves the collector's scans")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     if not 0 <= args.skip < args.steps:
@@ -49,27 +55,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class StepProfiler:
-    """Wraps memstudy.train's step: the steps after `skip` run under one cProfile.Profile."""
+    """Wraps memstudy.train's step: the steps after `skip` are timed one by one (device
+    synchronised before and after), with the garbage collector's pauses inside each, and
+    (unless `profile` is off) run under one cProfile.Profile."""
 
-    def __init__(self, skip: int):
-        self.skip, self.seen, self.profiled, self.wall_s = skip, 0, 0, 0.0
-        self.profile = cProfile.Profile()
+    def __init__(self, skip: int, profile: bool = True, freeze: bool = False):
+        self.skip, self.seen, self.freeze = skip, 0, freeze
+        self.walls_ms: list[float] = []
+        self.gc_ms: list[float] = []  # per timed step, the collector's pauses
+        self.gc_runs: list[dict[int, int]] = []  # per timed step, collections per generation
+        self.profile = cProfile.Profile() if profile else None
         self._step = train._train_step
+        self._gc_started = 0.0
+
+    @property
+    def profiled(self) -> int:
+        return len(self.walls_ms)
 
     def __call__(self, *args, **kwargs):
         self.seen += 1
         if self.seen <= self.skip:
             return self._step(*args, **kwargs)
+        if self.freeze and self.seen == self.skip + 1:
+            gc.collect()
+            gc.freeze()
         _synchronize()
+        self.gc_ms.append(0.0)
+        self.gc_runs.append({})
+        gc.callbacks.append(self._on_gc)
         started = time.perf_counter()
-        self.profile.enable()
+        if self.profile is not None:
+            self.profile.enable()
         try:
             return self._step(*args, **kwargs)
         finally:
-            self.profile.disable()
+            if self.profile is not None:
+                self.profile.disable()
             _synchronize()
-            self.wall_s += time.perf_counter() - started
-            self.profiled += 1
+            self.walls_ms.append(1e3 * (time.perf_counter() - started))
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+            return
+        self.gc_ms[-1] += 1e3 * (time.perf_counter() - self._gc_started)
+        runs = self.gc_runs[-1]
+        runs[info["generation"]] = runs.get(info["generation"], 0) + 1
 
 
 def _synchronize() -> None:
@@ -112,30 +144,50 @@ def main(argv: list[str] | None = None) -> int:
         run += ["--budget", args.budget]
     for item in args.set:
         run += ["--set", item]
-    profiler = StepProfiler(args.skip)
+    profiler = StepProfiler(args.skip, profile=not args.no_profile, freeze=args.gc_freeze)
     train._train_step = profiler
     try:
         code = memstudy_main(run)
     finally:
         train._train_step = profiler._step
+        if args.gc_freeze:
+            gc.unfreeze()
     if code or not profiler.profiled:
         print(f"bench_host_profile: the run ended with {code}, {profiler.profiled} steps "
               "profiled; nothing written", file=sys.stderr)
         return code or 1
-    stats = pstats.Stats(profiler.profile)
-    steps = profiler.profiled
-    text = [f"# Host time of {args.size} px, `{args.techniques}`"
-            + (f" under {args.budget}" if args.budget else ""),
-            "",
-            f"{steps} steps profiled after {args.skip}, on {_device_name(args.device)}; "
-            f"{1e3 * profiler.wall_s / steps:.1f} ms a step under the profiler (its own cost "
-            "included; read the shares); every thread's Python counted.",
-            "", "## By own time", "", *table(stats, steps, args.top, "own"),
-            "", "## By time under the function", "", *table(stats, steps, args.top, "cumulative"),
-            ""]
-    (out / "host-profile.md").write_text("\n".join(text))
+    text = [*heading(args, profiler), *steps_table(profiler)]
+    if profiler.profile is not None:
+        stats, steps = pstats.Stats(profiler.profile), profiler.profiled
+        text += ["", "## By own time", "", *table(stats, steps, args.top, "own"),
+                 "", "## By time under the function", "",
+                 *table(stats, steps, args.top, "cumulative")]
+    (out / "host-profile.md").write_text("\n".join(text) + "\n")
     print("\n".join(text))
     return 0
+
+
+def heading(args: argparse.Namespace, profiler: StepProfiler) -> list[str]:
+    steps = profiler.profiled
+    how = ("under cProfile (its own cost included; read the shares); every thread's Python "
+           "counted" if profiler.profile is not None else "without a profiler")
+    return [f"# Host time of {args.size} px, `{args.techniques}`"
+            + (f" under {args.budget}" if args.budget else ""), "",
+            f"{steps} steps timed after {args.skip}, on {_device_name(args.device)}, {how}"
+            + ("; gc.freeze() before the first" if args.gc_freeze else "") + ": "
+            f"{sum(profiler.walls_ms) / steps:.1f} ms a step, of it the garbage collector's "
+            f"pauses {sum(profiler.gc_ms) / steps:.1f} ms.", ""]
+
+
+def steps_table(profiler: StepProfiler) -> list[str]:
+    """Each timed step's wall time (device synchronised) and the collector's pauses in it."""
+    lines = ["| step | wall ms | gc pauses ms | collections (generation: count) |",
+             "|---|---|---|---|"]
+    for index, (wall, paused, runs) in enumerate(zip(profiler.walls_ms, profiler.gc_ms,
+                                                       profiler.gc_runs)):
+        counts = ", ".join(f"{gen}: {n}" for gen, n in sorted(runs.items())) or "-"
+        lines.append(f"| {profiler.skip + index + 1} | {wall:.1f} | {paused:.1f} | {counts} |")
+    return lines
 
 
 def _device_name(device: str) -> str:

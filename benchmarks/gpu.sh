@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
 # then are packed into one archive, $OUT/results.tgz.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [host-profile] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [host-profile] [host-steps] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -186,6 +186,13 @@ for item in $STEPS; do
         host-profile) name=${HOST_PROFILE_SET:-AUTO_HOLD_SET}
             set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.$name)") || exit 1
             $PY benchmarks/bench_host_profile.py --out "$RES/host-profile-4188-4gib" --size 4188 --budget 4GiB -t "$set" --steps 8 --skip 3 ${HOSTPROFILE_ARGS:-} 2>&1 | tee "$RES/host-profile.log" ;;
+        # the same set's steps one by one without a profiler, with the garbage collector's
+        # pauses, and again with gc.freeze() after warm-up (about 50 s each on an H200)
+        host-steps) name=${HOST_PROFILE_SET:-AUTO_HOLD_SET}
+            set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.$name)") || exit 1
+            for freeze in "" --gc-freeze; do
+                $PY benchmarks/bench_host_profile.py --out "$RES/host-steps-4188-4gib${freeze:+-gc-freeze}" --size 4188 --budget 4GiB -t "$set" --steps 14 --skip 3 --no-profile $freeze 2>&1 | tee -a "$RES/host-steps.log"
+            done ;;
         # what the CUDA context holds after each first use, and under which settings it shrinks
         context) $PY benchmarks/bench_context.py --out "$RES/context" ${CONTEXT_ARGS:-} 2>&1 | tee "$RES/context.log" ;;
         # the tiled validation forward three times per process: what its first pass pays once

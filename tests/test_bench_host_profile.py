@@ -1,4 +1,5 @@
 """bench_host_profile: Python's profiler around a run's timed steps only, and its page."""
+import gc
 import sys
 from pathlib import Path
 
@@ -18,7 +19,9 @@ def test_only_the_steps_after_skip_are_profiled_and_the_step_is_restored(tmp_pat
                       "--set", "data.val_images=1"])
     page = (out / "host-profile.md").read_text()
     assert code == 0 and not isinstance(train._train_step, host.StepProfiler)
-    assert "2 steps profiled after 1, on the CPU" in page
+    assert "2 steps timed after 1, on the CPU, under cProfile" in page
+    # one row per timed step, numbered from the first after --skip
+    assert "\n| 2 | " in page and "\n| 3 | " in page and "\n| 4 | " not in page
     # the step function itself, once per profiled step, holds everything under it
     step_row = next(line for line in page.splitlines() if "memstudy/train.py" in line
                     and "_train_step" in line)
@@ -29,3 +32,18 @@ def test_only_the_steps_after_skip_are_profiled_and_the_step_is_restored(tmp_pat
 def test_skip_must_leave_a_step_to_profile():
     with pytest.raises(SystemExit):
         host.parse_args(["--out", "x", "-t", "amp:bf16", "--steps", "4", "--skip", "4"])
+
+
+def test_without_the_profiler_each_step_is_timed_with_the_collectors_pauses(tmp_path):
+    out = tmp_path / "plain"
+    code = host.main(["--out", str(out), "--device", "cpu", "--size", "64", "--steps", "3",
+                      "--skip", "1", "--no-profile", "--gc-freeze", "-t", "checkpoint",
+                      "--set", "train.msssim_scales=1", "--set", "data.train_images=3",
+                      "--set", "data.val_images=1"])
+    page = (out / "host-profile.md").read_text()
+    assert code == 0 and "without a profiler; gc.freeze() before the first" in page
+    assert "By own time" not in page
+    rows = [line.split("|") for line in page.splitlines() if line.startswith("| 2 |")
+            or line.startswith("| 3 |")]
+    assert len(rows) == 2 and all(float(row[2]) >= float(row[3]) >= 0 for row in rows)
+    assert gc.get_freeze_count() == 0  # unfrozen again for whatever runs next
