@@ -1,12 +1,15 @@
-"""Where a training step's host time goes: Python's own profiler around the timed steps of one
-`memstudy run`, as a table of the functions with the most own time and the most time under
-them, per step.
+"""Where a training step's host time goes: each timed step of one `memstudy run` timed on its
+own (device synchronised) with the garbage collector's pauses in it, and Python's own profiler
+around those steps, as a table of the functions with the most own time and the most time
+under them, per step. `--no-profile` leaves the profiler out (real step times), `--gc-freeze`
+freezes every object alive before the first timed step out of the collector's scans.
 
     python benchmarks/bench_host_profile.py --out results/host --size 4188 --budget 4GiB \\
         --techniques amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,tile:auto,allocator:expandable_segments=true
 
-Why: a tiled step launches about twice the tuned step's kernels, and where the GPU's work per
-step is steady while the step is not, the host sets the pace (docs/techniques/tile.md). CUDA's
+Why: a tiled step launches about twice the tuned step's kernels, and its steps vary more than
+its GPU's work per step does (docs/techniques/tile.md): whether the host sets the pace is
+what this measures. CUDA's
 profiler shows the kernels; this shows which Python does the launching, and how long the
 step's own Python takes against its wall time. Only the steps after `--skip` are profiled
 (warm-up, cuDNN's autotuning and tile:auto's first plan left out). From Python 3.12 the

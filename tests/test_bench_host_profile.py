@@ -11,12 +11,16 @@ import bench_host_profile as host  # noqa: E402
 import memstudy.train as train  # noqa: E402
 
 
+def run_bench(out: Path, *options: str) -> int:
+    """Three CPU steps at 64 px (one scale of MS-SSIM), the first not timed."""
+    return host.main(["--out", str(out), "--device", "cpu", "--size", "64", "--steps", "3",
+                      "--skip", "1", "-t", "checkpoint", "--set", "train.msssim_scales=1",
+                      "--set", "data.train_images=3", "--set", "data.val_images=1", *options])
+
+
 def test_only_the_steps_after_skip_are_profiled_and_the_step_is_restored(tmp_path):
     out = tmp_path / "host"
-    code = host.main(["--out", str(out), "--device", "cpu", "--size", "64", "--steps", "3",
-                      "--skip", "1", "--top", "5", "-t", "checkpoint",
-                      "--set", "train.msssim_scales=1", "--set", "data.train_images=3",
-                      "--set", "data.val_images=1"])
+    code = run_bench(out, "--top", "5")
     page = (out / "host-profile.md").read_text()
     assert code == 0 and not isinstance(train._train_step, host.StepProfiler)
     assert "2 steps timed after 1, on the CPU, under cProfile" in page
@@ -36,10 +40,7 @@ def test_skip_must_leave_a_step_to_profile():
 
 def test_without_the_profiler_each_step_is_timed_with_the_collectors_pauses(tmp_path):
     out = tmp_path / "plain"
-    code = host.main(["--out", str(out), "--device", "cpu", "--size", "64", "--steps", "3",
-                      "--skip", "1", "--no-profile", "--gc-freeze", "-t", "checkpoint",
-                      "--set", "train.msssim_scales=1", "--set", "data.train_images=3",
-                      "--set", "data.val_images=1"])
+    code = run_bench(out, "--no-profile", "--gc-freeze")
     page = (out / "host-profile.md").read_text()
     assert code == 0 and "without a profiler; gc.freeze() before the first" in page
     assert "By own time" not in page
