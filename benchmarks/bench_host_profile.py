@@ -11,8 +11,9 @@ Why: a tiled step launches about twice the tuned step's kernels, and its steps v
 its GPU's work per step does (docs/techniques/tile.md): whether the host sets the pace is
 what this measures. CUDA's
 profiler shows the kernels; this shows which Python does the launching, and how long the
-step's own Python takes against its wall time. Only the steps after `--skip` are profiled
-(warm-up, cuDNN's autotuning and tile:auto's first plan left out). From Python 3.12 the
+step's own Python takes against its wall time. Only the steps after `--skip` are timed:
+warm-up (cuDNN's autotuning, tile:auto's first plan) and the run's one metered step (its NVML
+sampler thread runs beside it) come before them. From Python 3.12 the
 profiler sees every thread (it is built on `sys.monitoring`): autograd's device thread, which
 runs the backward's Python on CUDA (custom Functions, saved-tensor hooks, checkpoint's
 recomputation), and the meter's NVML sampler while a metered step runs; "under
@@ -43,7 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps in all")
-    p.add_argument("--skip", type=int, default=3, help="steps run before profiling starts")
+    p.add_argument("--skip", type=int, default=3,
+                   help="steps before timing starts: warm-up, then the one step the meter "
+                        "measures (its sampler thread would perturb a timed step); at least 2")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--no-profile", action="store_true",
                    help="no cProfile: only each step's wall time and the garbage collector's pauses")
@@ -52,8 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "model, the data, the run's bookkeeping) leaves the collector's scans")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    if not 0 <= args.skip < args.steps:
-        p.error(f"--skip must be at least 0 and below --steps ({args.steps}), got {args.skip}")
+    if not 2 <= args.skip < args.steps:
+        p.error(f"--skip must be at least 2 (a warm-up step and the metered one) and below "
+                f"--steps ({args.steps}), got {args.skip}")
     return args
 
 
@@ -72,7 +76,7 @@ class StepProfiler:
         self._gc_started = 0.0
 
     @property
-    def profiled(self) -> int:
+    def timed(self) -> int:
         return len(self.walls_ms)
 
     def __call__(self, *args, **kwargs):
@@ -142,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     run = ["--db", str(out / "host-profile.sqlite"), "run", "--size", args.size, "-t",
            args.techniques, "--device", args.device, "--steps", str(args.steps), "-q",
-           "--set", "meter.profile=false", "--set", f"train.warmup_steps={min(2, args.skip)}"]
+           "--set", "meter.profile=false", "--set", f"train.warmup_steps={args.skip - 1}",
+           "--set", "train.measure_steps=1"]  # every timed step a plain one (docs/metrics.md)
     if args.budget:
         run += ["--budget", args.budget]
     for item in args.set:
@@ -155,13 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         train._train_step = profiler._step
         if args.gc_freeze:
             gc.unfreeze()
-    if code or not profiler.profiled:
-        print(f"bench_host_profile: the run ended with {code}, {profiler.profiled} steps "
-              "profiled; nothing written", file=sys.stderr)
+    if code or not profiler.timed:
+        print(f"bench_host_profile: the run ended with {code}, {profiler.timed} steps "
+              "timed; nothing written", file=sys.stderr)
         return code or 1
     text = [*heading(args, profiler), *steps_table(profiler)]
     if profiler.profile is not None:
-        stats, steps = pstats.Stats(profiler.profile), profiler.profiled
+        stats, steps = pstats.Stats(profiler.profile), profiler.timed
         text += ["", "## By own time", "", *table(stats, steps, args.top, "own"),
                  "", "## By time under the function", "",
                  *table(stats, steps, args.top, "cumulative")]
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def heading(args: argparse.Namespace, profiler: StepProfiler) -> list[str]:
-    steps = profiler.profiled
+    steps = profiler.timed
     how = ("under cProfile (its own cost included; read the shares); every thread's Python "
            "counted" if profiler.profile is not None else "without a profiler")
     return [f"# Host time of {args.size} px, `{args.techniques}`"

@@ -12,10 +12,11 @@ import memstudy.train as train  # noqa: E402
 
 
 def run_bench(out: Path, *options: str) -> int:
-    """Three CPU steps at 64 px (one scale of MS-SSIM), the first not timed."""
-    return host.main(["--out", str(out), "--device", "cpu", "--size", "64", "--steps", "3",
-                      "--skip", "1", "-t", "checkpoint", "--set", "train.msssim_scales=1",
-                      "--set", "data.train_images=3", "--set", "data.val_images=1", *options])
+    """Four CPU steps at 64 px (one scale of MS-SSIM): a warm-up step, the metered one, two
+    timed."""
+    return host.main(["--out", str(out), "--device", "cpu", "--size", "64", "--steps", "4",
+                      "--skip", "2", "-t", "checkpoint", "--set", "train.msssim_scales=1",
+                      "--set", "data.train_images=4", "--set", "data.val_images=1", *options])
 
 
 def test_only_the_steps_after_skip_are_profiled_and_the_step_is_restored(tmp_path):
@@ -23,9 +24,9 @@ def test_only_the_steps_after_skip_are_profiled_and_the_step_is_restored(tmp_pat
     code = run_bench(out, "--top", "5")
     page = (out / "host-profile.md").read_text()
     assert code == 0 and not isinstance(train._train_step, host.StepProfiler)
-    assert "2 steps timed after 1, on the CPU, under cProfile" in page
+    assert "2 steps timed after 2, on the CPU, under cProfile" in page
     # one row per timed step, numbered from the first after --skip
-    assert "\n| 2 | " in page and "\n| 3 | " in page and "\n| 4 | " not in page
+    assert "\n| 3 | " in page and "\n| 4 | " in page and "\n| 2 | " not in page
     # the step function itself, once per profiled step, holds everything under it
     step_row = next(line for line in page.splitlines() if "memstudy/train.py" in line
                     and "_train_step" in line)
@@ -33,9 +34,12 @@ def test_only_the_steps_after_skip_are_profiled_and_the_step_is_restored(tmp_pat
     assert "/work/" not in page and "/usr/" not in page  # no machine paths
 
 
-def test_skip_must_leave_a_step_to_profile():
-    with pytest.raises(SystemExit):
-        host.parse_args(["--out", "x", "-t", "amp:bf16", "--steps", "4", "--skip", "4"])
+def test_skip_must_leave_a_step_to_time_and_cover_warm_up_and_the_metered_step(capsys):
+    for skip in ("4", "1"):
+        with pytest.raises(SystemExit):
+            host.parse_args(["--out", "x", "-t", "amp:bf16", "--steps", "4", "--skip", skip])
+        assert "--skip must be at least 2 (a warm-up step and the metered one)" in \
+            capsys.readouterr().err
 
 
 def test_without_the_profiler_each_step_is_timed_with_the_collectors_pauses(tmp_path):
@@ -44,7 +48,7 @@ def test_without_the_profiler_each_step_is_timed_with_the_collectors_pauses(tmp_
     page = (out / "host-profile.md").read_text()
     assert code == 0 and "without a profiler; gc.freeze() before the first" in page
     assert "By own time" not in page
-    rows = [line.split("|") for line in page.splitlines() if line.startswith("| 2 |")
-            or line.startswith("| 3 |")]
+    rows = [line.split("|") for line in page.splitlines() if line.startswith("| 3 |")
+            or line.startswith("| 4 |")]
     assert len(rows) == 2 and all(float(row[2]) >= float(row[3]) >= 0 for row in rows)
     assert gc.get_freeze_count() == 0  # unfrozen again for whatever runs next
