@@ -1,5 +1,7 @@
 """bench_host_profile: Python's profiler around a run's timed steps only, and its page."""
 import gc
+import json
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -48,6 +50,10 @@ def test_without_the_profiler_each_step_is_timed_with_the_collectors_pauses(tmp_
     page = (out / "host-profile.md").read_text()
     assert code == 0 and "without a profiler; gc.freeze() before the first" in page
     assert "By own time" not in page
+    # the timed steps are the run's plain ones: one warm-up step and one metered step before
+    with sqlite3.connect(out / "host-profile.sqlite") as db:
+        train_config = json.loads(db.execute("select config_json from runs").fetchone()[0])["train"]
+    assert (train_config["warmup_steps"], train_config["measure_steps"]) == (1, 1)
     rows = [line.split("|") for line in page.splitlines() if line.startswith("| 3 |")
             or line.startswith("| 4 |")]
     assert len(rows) == 2 and all(float(row[2]) >= float(row[3]) >= 0 for row in rows)
