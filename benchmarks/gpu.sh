@@ -175,11 +175,12 @@ for item in $STEPS; do
             MEMSTUDY_PROFILE_TABLE="$RES/hold-4188-4gib/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/hold-4188-4gib" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$sets" 2>&1 | tee -a "$RES/tile-hold-4gib.log" ;;
         # the 4 GiB target's ratio at 4188 px: PAIRS (default 3) pairs, each the set
         # (HOLD_PAIR_SET, default bench_ladder.AUTO_HOLD_SET) then the tuned step, one file each;
-        # the median of the pairs' ratios is the figure (about 70 s a pair on an H200)
+        # the median of the pairs' ratios is the figure (about 70 s a pair on an H200); each
+        # run's step is the median of its plain steps: PAIR_STEPS (default 14) - 4 of them
         tile-hold-pairs) name=${HOLD_PAIR_SET:-AUTO_HOLD_SET}
             set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.$name)") || exit 1
             for pair in $(seq 1 "${PAIRS:-3}"); do
-                $PY benchmarks/bench_ladder.py --part native --out "$RES/hold-pairs-4188/pair-$pair" --size 4188 --budget 4GiB --steps 8 --no-float32 --tuned-only --tiled-set "$set" 2>&1 | tee -a "$RES/tile-hold-pairs.log"
+                $PY benchmarks/bench_ladder.py --part native --out "$RES/hold-pairs-4188/pair-$pair" --size 4188 --budget 4GiB --steps ${PAIR_STEPS:-14} --no-float32 --tuned-only --tiled-set "$set" 2>&1 | tee -a "$RES/tile-hold-pairs.log"
             done ;;
         # which Python launches the 4 GiB step's kernels: cProfile around its timed steps
         # (benchmarks/bench_host_profile.py; HOST_PROFILE_SET, default bench_ladder.AUTO_HOLD_SET)
