@@ -292,6 +292,7 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
                          (m.get("nvml_peak_bytes", 0) for m in metrics.values()), default=0),
                      "whole_device": "nvml_process_peak_bytes" not in run,
                      "step": run.get("step_time_s") or run.get("metered_step_time_s"),
+                     "spread": _spread(run),
                      "retries": run.get("alloc_retries"),
                      "timed_retries": _timed_retries(rdb, r["id"]),
                      "quality": (f"Dice {dice:.4f}" if dice is not None else
@@ -315,7 +316,8 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
              "process started), CUDA context included; \"(device)\": a record without that "
              "baseline, the whole device's used memory. Validation: MS-SSIM (enhancement) or Dice (segmentation) after the "
              "same steps on the same phantoms. Retries: the allocator's `num_alloc_retries` over the "
-             "run, and over its timed steps (series `alloc_retries`; docs/metrics.md).", "",
+             "run, and over its timed steps (series `alloc_retries`; docs/metrics.md). Step s: the "
+             "median of the plain steps, with the fastest and the slowest where recorded.", "",
              "| run | status | allocator peak MiB | NVML peak MiB | retries (run / timed) | step s | "
              f"{reference} | launches / step | GPU busy ms / step | validation | vs float32 | "
              "error |",
@@ -330,11 +332,19 @@ def native_table(db: Path, exclude: set[int] = frozenset()) -> list[str]:
             if r["nvml"] else "-",
             "-" if r["retries"] is None else f"{r['retries']:.0f}" + (
                 "" if r["timed_retries"] is None else f" / {r['timed_retries']:.0f}"),
-            f"{r['step']:.3f}" if r["step"] else "-", ratio,
+            (f"{r['step']:.3f}" + r["spread"]) if r["step"] else "-", ratio,
             f"{r['launches']:.0f}" if r.get("launches") else "-",
             f"{r['busy']:.1f}" if r.get("busy") else "-",
             r["quality"] or "-", rel, r["error"] + " |"]))
     return lines
+
+
+def _spread(run: dict[str, float]) -> str:
+    """' (fastest-slowest of N)' of a run's plain steps; '' for records without them."""
+    if "plain_steps" not in run:
+        return ""
+    return (f" ({run['step_time_min_s']:.3f}-{run['step_time_max_s']:.3f} of "
+            f"{run['plain_steps']:.0f})")
 
 
 def _timed_retries(rdb, run_id: int) -> float | None:

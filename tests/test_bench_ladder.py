@@ -92,3 +92,20 @@ def test_native_retries_split_the_timed_steps_from_the_warm_up(tmp_path):
     column = next(i for i, name in enumerate(rows[0]) if name.startswith("retries"))
     assert {r[0].lstrip("| "): r[column] for r in rows[1:]} == {
         "the set under 4GiB": "13 / 1", "amp:bf16 unconstrained": "-"}
+
+
+def test_the_step_cell_shows_the_plain_steps_spread_where_recorded(tmp_path):
+    db = ResultsDB(tmp_path / "native.sqlite")
+    db.record(RunRecord(config={"train": {"image_size": 4188, "batch_size": 1}},
+                        config_hash="s", name="s", status="ok",
+                        env={"device": "cuda", "gpu_name": "GPU"}, started_at=time.time(),
+                        label="the set under 4GiB",
+                        metrics=[(0, "run", "step_time_s", 0.5), (0, "run", "plain_steps", 10),
+                                 (0, "run", "step_time_min_s", 0.48),
+                                 (0, "run", "step_time_max_s", 0.531)]))
+    _record(db, bench_ladder.TUNED_LABEL, 0.125)  # recorded before the spread: median alone
+    rows = [line.split(" | ") for line in bench_ladder.native_table(tmp_path / "native.sqlite")
+            if line.startswith("| ")]
+    column = rows[0].index("step s")
+    assert {r[0].lstrip("| "): r[column] for r in rows[1:]} == {
+        "the set under 4GiB": "0.500 (0.480-0.531 of 10)", bench_ladder.TUNED_LABEL: "0.125"}

@@ -89,6 +89,17 @@ def test_run_records_phase_categories_that_add_up(make_config):
     assert m[("run", "host_peak_bytes")] > 4 * weights
 
 
+def test_the_plain_steps_spread_is_recorded_beside_their_median(make_config):
+    cfg = make_config(64, msssim_scales=1)
+    cfg.data.train_images = 5  # 1 warm-up, 1 measured, 3 plain
+    rec = execute(cfg, db=None)
+    assert rec.status == "ok", rec.error
+    m = {(p, n): v for _, p, n, v in rec.metrics}
+    assert m[("run", "plain_steps")] == 3
+    assert m[("run", "step_time_min_s")] <= m[("run", "step_time_s")] <= m[("run", "step_time_max_s")]
+    assert m[("run", "step_time_min_s")] < m[("run", "step_time_max_s")]  # three real clocks
+
+
 @pytest.mark.gpu
 @pytest.mark.alone
 def test_allocator_tensor_meter_and_nvml_agree_on_cuda(make_config):

@@ -285,6 +285,10 @@ class PhaseRecorder:
             run["metered_step_time_s"] = statistics.median(metered)
         if plain:
             run["step_time_s"] = statistics.median(plain)
+            # the spread a median hides: a handful of steps of a host-heavy set can differ
+            # by a tenth (docs/techniques/tile.md)
+            run["step_time_min_s"], run["step_time_max_s"] = min(plain), max(plain)
+            run["plain_steps"] = len(plain)
         elif metered:
             run["step_time_s"] = run["metered_step_time_s"]
         if metered and plain:
