@@ -2,7 +2,10 @@
 own (device synchronised) with the garbage collector's pauses in it, and Python's own profiler
 around those steps, as a table of the functions with the most own time and the most time
 under them, per step. `--no-profile` leaves the profiler out (real step times), `--gc-freeze`
-freezes every object alive before the first timed step out of the collector's scans.
+freezes every object alive before the first timed step out of the collector's scans, and
+`--gpu-timeline` reads each timed step's GPU timeline too (torch.profiler, CUDA activity
+only): how long the GPU worked, how much of it was copies no kernel overlapped, and how long
+it waited within the step.
 
     python benchmarks/bench_host_profile.py --out results/host --size 4188 --budget 4GiB \\
         --techniques amp:bf16,checkpoint,offload:which=boundaries:prefetch=1:hold=1,tile:auto,allocator:expandable_segments=true
@@ -23,6 +26,7 @@ so read the shares, not the absolute times.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import pstats
@@ -34,6 +38,7 @@ import torch
 
 import memstudy.train as train
 from memstudy.cli import main as memstudy_main
+from memstudy.meters.profile import busy_ms, on_gpu
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,8 +58,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() before the first timed step: every object alive then (the "
                         "model, the data, the run's bookkeeping) leaves the collector's scans")
+    p.add_argument("--gpu-timeline", action="store_true",
+                   help="each timed step under torch.profiler's CUDA activity too: the GPU's "
+                        "busy time, the copies no kernel overlaps and its idle time in the step")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
+    if args.gpu_timeline and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        p.error(f"--gpu-timeline reads the GPU's own timeline: it needs --device cuda on a "
+                f"machine with a GPU (here --device {args.device}, CUDA "
+                f"{'available' if torch.cuda.is_available() else 'not available'})")
     if not 2 <= args.skip < args.steps:
         p.error(f"--skip must be at least 2 (a warm-up step and the metered one) and below "
                 f"--steps ({args.steps}), got {args.skip}")
@@ -66,8 +78,10 @@ class StepProfiler:
     synchronised before and after), with the garbage collector's pauses inside each, and
     (unless `profile` is off) run under one cProfile.Profile."""
 
-    def __init__(self, skip: int, profile: bool = True, freeze: bool = False):
-        self.skip, self.seen, self.freeze = skip, 0, freeze
+    def __init__(self, skip: int, profile: bool = True, freeze: bool = False,
+                 timeline: bool = False):
+        self.skip, self.seen, self.freeze, self.timeline = skip, 0, freeze, timeline
+        self.gpu: list[dict[str, float]] = []  # per timed step with `timeline`: gpu_figures
         self.walls_ms: list[float] = []
         self.gc_ms: list[float] = []  # per timed step, the collector's pauses
         self.gc_runs: list[dict[int, int]] = []  # per timed step, collections per generation
@@ -86,6 +100,13 @@ class StepProfiler:
         if self.freeze and self.seen == self.skip + 1:
             gc.collect()
             gc.freeze()
+        with _gpu_timeline() if self.timeline else contextlib.nullcontext() as events:
+            loss = self._timed(*args, **kwargs)
+        if events is not None:  # the profiler has stopped: its events are read now
+            self.gpu.append(gpu_figures(*events(), self.walls_ms[-1]))
+        return loss
+
+    def _timed(self, *args, **kwargs):
         _synchronize()
         self.gc_ms.append(0.0)
         self.gc_runs.append({})
@@ -114,6 +135,33 @@ class StepProfiler:
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def _gpu_timeline():
+    """torch.profiler over the enclosed step, CUDA activity only (no Python or operator
+    events, so the host runs as it would); yields a function that, once the profiler has
+    stopped, returns the step's kernel and copy intervals (microseconds)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        yield lambda: _intervals(prof.events())
+
+
+def _intervals(events) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    kernels, copies = [], []
+    for event in events:
+        if on_gpu(event):
+            span = (event.time_range.start, event.time_range.end)
+            (copies if event.name.startswith(("Memcpy", "Memset")) else kernels).append(span)
+    return kernels, copies
+
+
+def gpu_figures(kernels: list[tuple[float, float]], copies: list[tuple[float, float]],
+                wall_ms: float) -> dict[str, float]:
+    """One step's GPU timeline: busy (kernels and copies, overlap counted once), the copies no
+    kernel overlaps, and the step's wall time the GPU did neither (waiting on the host)."""
+    busy, kernel_busy = busy_ms(kernels + copies), busy_ms(kernels)
+    return {"busy_ms": busy, "copies_alone_ms": busy - kernel_busy,
+            "idle_ms": max(0.0, wall_ms - busy)}
 
 
 def _where(key: tuple) -> str:
@@ -152,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         run += ["--budget", args.budget]
     for item in args.set:
         run += ["--set", item]
-    profiler = StepProfiler(args.skip, profile=not args.no_profile, freeze=args.gc_freeze)
+    profiler = StepProfiler(args.skip, profile=not args.no_profile, freeze=args.gc_freeze,
+                            timeline=args.gpu_timeline)
     train._train_step = profiler
     try:
         code = memstudy_main(run)
@@ -188,13 +237,19 @@ def heading(args: argparse.Namespace, profiler: StepProfiler) -> list[str]:
 
 
 def steps_table(profiler: StepProfiler) -> list[str]:
-    """Each timed step's wall time (device synchronised) and the collector's pauses in it."""
-    lines = ["| step | wall ms | gc pauses ms | collections (generation: count) |",
-             "|---|---|---|---|"]
+    """Each timed step's wall time (device synchronised) and the collector's pauses in it;
+    with the GPU's timeline, its busy, copies-alone and idle time too."""
+    gpu_columns = ("GPU busy ms", "copies alone ms", "GPU idle ms") if profiler.gpu else ()
+    columns = ("step", "wall ms", *gpu_columns, "gc pauses ms", "collections (generation: count)")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for index, (wall, paused, runs) in enumerate(zip(profiler.walls_ms, profiler.gc_ms,
                                                        profiler.gc_runs)):
         counts = ", ".join(f"{gen}: {n}" for gen, n in sorted(runs.items())) or "-"
-        lines.append(f"| {profiler.skip + index + 1} | {wall:.1f} | {paused:.1f} | {counts} |")
+        gpu = profiler.gpu[index] if profiler.gpu else {}
+        cells = [f"{profiler.skip + index + 1}", f"{wall:.1f}",
+                 *(f"{gpu[key]:.1f}" for key in ("busy_ms", "copies_alone_ms", "idle_ms")
+                   if gpu), f"{paused:.1f}", counts]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 

@@ -7,7 +7,7 @@
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
-# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS / HOSTPROFILE_ARGS / NETWORKS_ARGS / VALPASSES_ARGS / CONTEXT_ARGS / PAPER_ARGS / PAPER2_ARGS (e.g. "--sizes 2048")
+# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS / HOSTPROFILE_ARGS / HOST_STEPS_ARGS / NETWORKS_ARGS / VALPASSES_ARGS / CONTEXT_ARGS / PAPER_ARGS / PAPER2_ARGS (e.g. "--sizes 2048")
 # replace a benchmark's arguments.
 #
 # RESUME=folder   resume earlier results: its *.sqlite are copied into the results folder and
@@ -188,11 +188,13 @@ for item in $STEPS; do
             set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.$name)") || exit 1
             $PY benchmarks/bench_host_profile.py --out "$RES/host-profile-4188-4gib" --size 4188 --budget 4GiB -t "$set" --steps 8 --skip 3 ${HOSTPROFILE_ARGS:-} 2>&1 | tee "$RES/host-profile.log" ;;
         # the same set's steps one by one without a profiler, with the garbage collector's
-        # pauses, and again with gc.freeze() after warm-up (about 50 s each on an H200)
+        # pauses (HOST_STEPS_ARGS: e.g. --gc-freeze), then again with each step's GPU timeline
+        # (busy, copies alone, idle: whether a slow step's GPU worked longer or waited);
+        # about 50 s each on an H200
         host-steps) name=${HOST_PROFILE_SET:-AUTO_HOLD_SET}
             set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.$name)") || exit 1
-            for freeze in "" --gc-freeze; do
-                $PY benchmarks/bench_host_profile.py --out "$RES/host-steps-4188-4gib${freeze:+-gc-freeze}" --size 4188 --budget 4GiB -t "$set" --steps 14 --skip 3 --no-profile $freeze 2>&1 | tee -a "$RES/host-steps.log"
+            for timeline in "" --gpu-timeline; do
+                $PY benchmarks/bench_host_profile.py --out "$RES/host-steps-4188-4gib${timeline:+-timeline}" --size 4188 --budget 4GiB -t "$set" --steps 14 --skip 3 --no-profile $timeline ${HOST_STEPS_ARGS:-} 2>&1 | tee -a "$RES/host-steps.log"
             done ;;
         # what the CUDA context holds after each first use, and under which settings it shrinks
         context) $PY benchmarks/bench_context.py --out "$RES/context" ${CONTEXT_ARGS:-} 2>&1 | tee "$RES/context.log" ;;

@@ -58,3 +58,40 @@ def test_without_the_profiler_each_step_is_timed_with_the_collectors_pauses(tmp_
             or line.startswith("| 4 |")]
     assert len(rows) == 2 and all(float(row[2]) >= float(row[3]) >= 0 for row in rows)
     assert gc.get_freeze_count() == 0  # unfrozen again for whatever runs next
+
+
+def test_the_gpu_timeline_splits_a_step_into_busy_copies_alone_and_idle():
+    """Microsecond intervals as torch.profiler gives them: kernels 0-100 and 150-250, a copy
+    80-160 (overlapping both), in a 0.4 ms step."""
+    figures = host.gpu_figures([(0.0, 100.0), (150.0, 250.0)], [(80.0, 160.0)], 0.4)
+    assert figures == pytest.approx({"busy_ms": 0.25, "copies_alone_ms": 0.05, "idle_ms": 0.15})
+
+
+def test_the_gpu_timeline_without_a_gpu_is_one_line_before_any_run(capsys, monkeypatch):
+    monkeypatch.setattr(host.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        host.parse_args(["--out", "x", "-t", "amp:bf16", "--gpu-timeline"])
+    assert "--gpu-timeline reads the GPU's own timeline: it needs --device cuda on a machine " \
+        "with a GPU (here --device cuda, CUDA not available)" in capsys.readouterr().err
+
+
+def test_the_steps_table_carries_the_gpu_columns_only_with_a_timeline():
+    profiler = host.StepProfiler(skip=2, profile=False)
+    profiler.walls_ms, profiler.gc_ms, profiler.gc_runs = [5.0], [0.5], [{0: 2}]
+    assert host.steps_table(profiler)[2] == "| 3 | 5.0 | 0.5 | 0: 2 |"
+    profiler.gpu = [{"busy_ms": 4.0, "copies_alone_ms": 1.25, "idle_ms": 1.0}]
+    lines = host.steps_table(profiler)
+    assert lines[0] == ("| step | wall ms | GPU busy ms | copies alone ms | GPU idle ms | "
+                        "gc pauses ms | collections (generation: count) |")
+    assert lines[2] == "| 3 | 5.0 | 4.0 | 1.2 | 1.0 | 0.5 | 0: 2 |"
+
+
+@pytest.mark.gpu
+def test_the_gpu_timeline_of_real_steps_fits_inside_their_wall_time(tmp_path):
+    code = run_bench(tmp_path / "gpu", "--no-profile", "--gpu-timeline", "--device", "cuda")
+    page = (tmp_path / "gpu" / "host-profile.md").read_text()
+    rows = [line.split("|") for line in page.splitlines() if line.startswith(("| 3 |", "| 4 |"))]
+    assert code == 0 and len(rows) == 2
+    for row in rows:
+        wall, busy, alone, idle = (float(row[i]) for i in (2, 3, 4, 5))
+        assert 0 < busy <= wall + 0.1 and 0 <= alone <= busy and idle >= 0
