@@ -19,8 +19,7 @@ warm-up (cuDNN's autotuning, tile:auto's first plan) and the run's one metered s
 sampler thread runs beside it) come before them. From Python 3.12 the
 profiler sees every thread (it is built on `sys.monitoring`): autograd's device thread, which
 runs the backward's Python on CUDA (custom Functions, saved-tensor hooks, checkpoint's
-recomputation), and the meter's NVML sampler while a metered step runs; "under
-`_train_step`" is the step's own. The profiler's own cost inflates every Python call alike,
+recomputation), beside the main thread; "under `_train_step`" is the step's own. The profiler's own cost inflates every Python call alike,
 so read the shares, not the absolute times.
 """
 from __future__ import annotations
