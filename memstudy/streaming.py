@@ -4,21 +4,124 @@ device: what tile:stream keeps of a tiled region's boundaries, and a loss's targ
 Trade-off: device memory for PCIe traffic. A tensor that only strip-wise code reads (a tiled
 region's input, a chunked loss's target) need not be whole on the device: each strip is copied
 in as it is needed and each written strip copied out, so the device holds a strip's worth.
-Copies from and to pinned memory are asynchronous on the current stream, which orders them
-with the kernels that read and write the same rows; the additions are the device path's, in
-the same order, so values do not change.
+On CUDA the copies run on one side stream per device, so that they overlap the kernels: a
+strip can be brought in (`fetch`) while the strip before it computes, and written rows go out
+(`write_rows`) while the next strip computes. Events order each copy with the kernels that
+read or write the same memory: a fetched strip is read only after its copy is done, a written
+strip's device memory is not reused before its copy is done, and one stream carries every
+copy, so a read of host rows follows every earlier write of them. `settle` makes the compute
+stream wait for all copies issued so far: code that reads host tensors by other means (the
+host itself, a copy on the compute stream) calls it first. The additions are the device
+path's, in the same order, so values do not change.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}  # each CUDA device's stream for copies
+_UNSETTLED: set[torch.device] = set()  # devices with copies issued since their last settle
+
+
+@dataclass
+class Traffic:
+    """Bytes the streamed copies moved each way since the counters were last read."""
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+
+    def take(self) -> tuple[int, int]:
+        """(host to device, device to host) bytes, and the counters back to zero."""
+        moved = self.h2d_bytes, self.d2h_bytes
+        self.h2d_bytes = self.d2h_bytes = 0
+        return moved
+
+
+TRAFFIC = Traffic()
+
+
+def _cuda_key(device: torch.device) -> torch.device:
+    """`cuda` and `cuda:<current>` are one device, and one key."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch.device("cuda", index)
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's copy stream, which first waits for the kernels enqueued so far."""
+    key = _cuda_key(device)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(key)
+    _SIDE[key].wait_stream(torch.cuda.current_stream(key))
+    _UNSETTLED.add(key)
+    return _SIDE[key]
+
+
+class Fetched:
+    """A tensor on its way to the device: `get()` makes the current stream wait for the copy
+    (or, for `pending`, runs what must come first, such as waiting for offload's rows) and
+    returns it."""
+
+    def __init__(self, tensor: torch.Tensor | None = None, done: torch.cuda.Event | None = None,
+                 pending: Callable[[], torch.Tensor] | None = None):
+        self.tensor, self.done, self.pending = tensor, done, pending
+
+    def get(self) -> torch.Tensor:
+        if self.pending is not None:
+            return self.pending()
+        if self.done is not None:
+            torch.cuda.current_stream(self.tensor.device).wait_event(self.done)
+        return self.tensor
+
+
+def fetch(t: torch.Tensor, device: torch.device | None) -> Fetched:
+    """Start bringing `t` to `device`. A host tensor bound for a CUDA device is copied on the
+    device's side stream into memory allocated in the compute stream's order (the side stream
+    first waits for the kernels enqueued so far, which may still use that memory)."""
+    if device is None or t.device == device:
+        return Fetched(t)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return Fetched(t.to(device, non_blocking=True))
+    target = torch.empty_like(t, device=device)
+    side = _side_stream(device)
+    with torch.cuda.stream(side):
+        target.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    target.record_stream(side)  # not reused before the copy is done, even if never read
+    TRAFFIC.h2d_bytes += t.numel() * t.element_size()
+    return Fetched(target, done)
 
 
 def on_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     """`t` on `device` (itself where it lies there, or no device is asked for); a copy from
-    pinned host memory is asynchronous on the current stream."""
-    if device is None or t.device == device:
-        return t
-    return t.to(device, non_blocking=True)
+    pinned host memory is asynchronous (`fetch`), the current stream waiting for it."""
+    return fetch(t, device).get()
+
+
+def write_rows(rows: torch.Tensor, part: torch.Tensor) -> None:
+    """rows.copy_(part): to host `rows` on the side stream once the kernels enqueued so far
+    (those making `part`) are done, `part`'s memory kept from reuse until the copy is; any
+    other pair in place on the current stream."""
+    if part.device.type != "cuda" or rows.device.type != "cpu":
+        rows.copy_(part, non_blocking=True)
+        return
+    side = _side_stream(part.device)
+    with torch.cuda.stream(side):
+        rows.copy_(part, non_blocking=True)
+    part.record_stream(side)
+    TRAFFIC.d2h_bytes += part.numel() * part.element_size()
+
+
+def settle(device: torch.device | None) -> None:
+    """The current stream of `device` waits for every streamed copy issued so far (nothing
+    to wait for where none was issued since the last settle)."""
+    if device is None or device.type != "cuda" or not _UNSETTLED:
+        return
+    key = _cuda_key(device)
+    if key in _UNSETTLED:
+        _UNSETTLED.discard(key)
+        torch.cuda.current_stream(key).wait_stream(_SIDE[key])
 
 
 def host_empty(shape, dtype: torch.dtype, device: torch.device | None,
@@ -37,6 +140,6 @@ def add_rows(full: torch.Tensor, lo: int, hi: int, part: torch.Tensor) -> None:
     if rows.device == part.device:
         rows += part
         return
-    summed = rows.to(part.device, non_blocking=True)
+    summed = on_device(rows, part.device)
     summed += part
-    rows.copy_(summed, non_blocking=True)
+    write_rows(rows, summed)

@@ -92,7 +92,8 @@ def test_a_host_target_gives_the_device_target_loss_and_gradient(task):
 
 def test_a_streamed_run_keeps_its_batches_on_the_host(make_config):
     """Through the technique: the runtime keeps batches in host memory, the forward takes a
-    pinned host image and target, and its loss is the device path's (bf16: relative 1e-2)."""
+    pinned host image and target, its loss is the device path's (bf16: relative 1e-2), and the
+    run counts the bytes its streamed copies moved each way."""
     from memstudy.techniques.compose import build_pipeline, make_plan
 
     losses = []
@@ -108,6 +109,11 @@ def test_a_streamed_run_keeps_its_batches_on_the_host(make_config):
         else:
             x, y = x.cuda(), y.cuda()
         losses.append(build.runtime.forward(build.model, x, y).item())
+        moved = {name: value for src in build.runtime.series_sources
+                 for _rank, _step, name, value in src() if name.startswith("stream_")}
+        # the forward brought strips in and wrote boundaries out; the device path moves none
+        assert (moved["stream_h2d_bytes"] > 0 and moved["stream_d2h_bytes"] > 0) if stream \
+            else moved == {}
     assert abs(losses[1] - losses[0]) <= 1e-2 * abs(losses[0])
 
 

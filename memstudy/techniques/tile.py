@@ -63,6 +63,7 @@ from dataclasses import replace
 from memstudy.errors import ConfigError
 from memstudy.kernels import resolve_impl
 from memstudy.models.unet import STRIDE
+from memstudy.streaming import TRAFFIC
 from memstudy.techniques import register
 from memstudy.techniques.base import Build, Plan, Stage, Technique
 from memstudy.techniques.options import AUTO, DEFAULT_TILES
@@ -280,6 +281,9 @@ def apply(opts: Options, build: Build) -> None:
     if opts.stream and (sized := stream_host_bytes(opts, build.plan)) is not None:
         notes["stream_host_bytes"] = sized[0]
     build.runtime.inputs_on_host = opts.stream  # the image's strips and the target's blocks
+    if opts.stream:
+        TRAFFIC.take()  # the run's own copies from here
+        build.runtime.series_sources.append(lambda: _traffic_rows(build.runtime.rank))
     graphs = None
     if opts.graphs:
         graphs = TileGraphs(CudaGraphs(), opts.graph_limit, opts.graph_fallback, notes)
@@ -292,6 +296,12 @@ def folded_levels(opts: Options) -> int:
     """Decoder levels that never call nearest up-sampling: the tiled ones (their up-convolution
     is folded), and with `stream` every one (TiledForward folds the untiled blocks too)."""
     return NETWORK_LEVELS - 1 if opts.stream else opts.levels
+
+
+def _traffic_rows(rank: int) -> list[tuple[int, int, str, float]]:
+    """The run's streamed copies (series step 0, run totals): bytes each way."""
+    h2d, d2h = TRAFFIC.take()
+    return [(rank, 0, "stream_h2d_bytes", float(h2d)), (rank, 0, "stream_d2h_bytes", float(d2h))]
 
 
 def _graph_rows(graphs: TileGraphs, rank: int) -> list[tuple[int, int, str, float]]:

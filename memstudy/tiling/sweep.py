@@ -27,11 +27,12 @@ backward adds their gradient (the `_Stats` formula on the recomputed output) to 
 
 Streaming (`host=True`, tile:stream): the region's output is assembled in host memory
 (pinned on CUDA) instead of on the device, its input strips come from wherever the inputs lie
-(a host boundary's strip is copied in as its tile starts), and a host input's gradient adds up
-on the host, a strip's rows at a time. The sweeps compute on `Sweep.device` either way, and the
-same rows are added in the same order, so the values are the device path's to the bit. What
-the device then holds of a region is one strip's working set; the copies share the compute
-stream, which orders them with the kernels that read and write the same rows.
+(a host boundary's strips for the next tile are copied in while a tile computes), and a host
+input's gradient adds up on the host, a strip's rows at a time. The sweeps compute on
+`Sweep.device` either way, and the same rows are added in the same order, so the values are the
+device path's to the bit. What the device then holds of a region is one strip's working set and
+the next strip's inputs; the copies run on a side stream, ordered with the kernels by events
+(memstudy/streaming.py), and every sweep ends with the compute stream waiting for its copies.
 
 Numerics: tile statistics are merged with Chan's parallel formula in float32 (float64 for a
 float64 model); normalisation (fused with the ReLU after it: memstudy/tiling/norm.py) runs in
@@ -50,7 +51,7 @@ import torch
 from torch import nn
 
 from memstudy.runtime import ROWS_IN, mark_boundary
-from memstudy.streaming import add_rows, host_empty, on_device
+from memstudy.streaming import Fetched, add_rows, fetch, host_empty, settle, write_rows
 from memstudy.tiling.geometry import Path, Tile
 from memstudy.models.unet import memory_format_of
 from memstudy.tiling.norm import Stats, moments, normalize, statistics_seed
@@ -124,11 +125,47 @@ def strips_of(region: Region, tile: Tile, inputs: Sequence[torch.Tensor],
     """The tile's rows of each input on `device` (default: where each input lies): a host
     input's strip is copied in (tile:stream); an input offload brings back by rows may still
     be arriving (runtime.RowArrivals)."""
+    return [f.get() for f in fetch_strips(region, tile, inputs, device)]
+
+
+def fetch_strips(region: Region, tile: Tile, inputs: Sequence[torch.Tensor],
+                 device: torch.device | None) -> list[Fetched]:
+    """strips_of, started: a host input's strip is on its way (streaming.fetch); a device
+    input's is sliced when asked for, after its rows have arrived."""
     q0, q1 = tile.strip
-    for x, f in zip(inputs, region.input_factors):
-        ROWS_IN.await_rows(x, f * q0, f * q1)
-    return [on_device(x[..., f * q0:f * q1, :], device)
-            for x, f in zip(inputs, region.input_factors)]
+    return [_fetch_rows(x, f * q0, f * q1, device) for x, f in zip(inputs, region.input_factors)]
+
+
+def _fetch_rows(x: torch.Tensor, lo: int, hi: int, device: torch.device | None) -> Fetched:
+    if x.device.type == "cpu" and device is not None and device.type == "cuda":
+        return fetch(x[..., lo:hi, :], device)
+
+    def arrived() -> torch.Tensor:
+        ROWS_IN.await_rows(x, lo, hi)
+        return fetch(x[..., lo:hi, :], device).get()
+    return Fetched(pending=arrived)
+
+
+def tile_strips(sweep: "Sweep", inputs: Sequence[torch.Tensor],
+                tiles: Sequence[Tile] | None = None, seed: "Seed | None" = None):
+    """(tile, its strips, its rows of seed's grad_out or None) for each of `tiles` (default:
+    the sweep's) in order. The next tile's fetches start as a tile is handed out, so a host
+    boundary's strips are copied in while the caller computes the tile before (tile:stream)."""
+    tiles = list(sweep.tiles if tiles is None else tiles)
+
+    def started(tile: Tile) -> list[Fetched]:
+        rows = [] if seed is None else [seed.fetch_rows(tile, sweep)]
+        return fetch_strips(sweep.region, tile, inputs, sweep.device) + rows
+
+    ahead = started(tiles[0]) if tiles else []
+    for i, tile in enumerate(tiles):
+        got = [f.get() for f in ahead]
+        if i + 1 < len(tiles):
+            ahead = started(tiles[i + 1])
+        if seed is None:
+            yield tile, got, None
+        else:
+            yield tile, got[:-1], got[-1]
 
 
 # -- the two sweeps as autograd Functions ------------------------------------------------------
@@ -251,12 +288,14 @@ class _Stats(torch.autograd.Function):
         inputs, stats, _ = sweep.unpack(tensors)
         inputs = detached(inputs)
         acc = None
-        for tile in sweep.tiles:
-            if sweep.graphs is not None:
+        if sweep.graphs is not None:
+            for tile in sweep.tiles:
                 acc = merge(acc, sweep.graphs.moments(sweep, tile, inputs, stats, k))
-            else:
-                acc = merge(acc, moments(TileRun(sweep.region, tile, stats, target=k)(
-                    strips_of(sweep.region, tile, inputs, sweep.device)), sweep.region.kernels))
+        else:
+            for tile, strips, _ in tile_strips(sweep, inputs):
+                acc = merge(acc, moments(TileRun(sweep.region, tile, stats, target=k)(strips),
+                                         sweep.region.kernels))
+            settle(sweep.device)
         count, mean, m2 = acc
         counts[k] = count
         var = m2 / count
@@ -289,18 +328,14 @@ class _Apply(torch.autograd.Function):
         inputs, stats, _ = sweep.unpack(tensors)
         inputs = detached(inputs)
         out, acc = None, None
-        for tile in sweep.tiles:
-            if sweep.graphs is not None:
-                part = sweep.graphs.output(sweep, tile, inputs, stats)
-            else:
-                part = TileRun(sweep.region, tile, stats)(strips_of(sweep.region, tile, inputs,
-                                                                    sweep.device))
+        for tile, part in _applied_tiles(sweep, inputs, stats):
             if out is None:
                 out = _full_like(part, inputs, sweep)
             factor = part.shape[-2] // (tile.own[1] - tile.own[0])
-            out[..., factor * tile.own[0]:factor * tile.own[1], :].copy_(part, non_blocking=True)
+            write_rows(out[..., factor * tile.own[0]:factor * tile.own[1], :], part)
             if sweep.out_stats:
                 acc = merge(acc, moments(part, sweep.region.kernels))
+        settle(sweep.device)  # a host output's last rows are written before anything reads it
         ctx.sweep = sweep
         sweep.expect(ctx.needs_input_grad[2:])
         # the region's inputs, for the _Stats backwards too (Sweep.restored); the statistics
@@ -326,6 +361,16 @@ class _Apply(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _applied_tiles(sweep: Sweep, inputs: list, stats: list):
+    """(tile, its owned output rows) for each tile of an _Apply sweep, graphed or eager."""
+    if sweep.graphs is not None:
+        for tile in sweep.tiles:
+            yield tile, sweep.graphs.output(sweep, tile, inputs, stats)
+        return
+    for tile, strips, _ in tile_strips(sweep, inputs):
+        yield tile, TileRun(sweep.region, tile, stats)(strips)
+
+
 def statistics_affine(mean: torch.Tensor, g_mean: torch.Tensor, g_var: torch.Tensor,
                count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean, scale, shift) of the gradient of a BatchNorm's (mean, biased var) with respect to
@@ -348,11 +393,14 @@ class Seed:
             return None
         return self.grad_out[..., factor * tile.own[0]:factor * tile.own[1], :]
 
-    def rows_on(self, tile: Tile, out: torch.Tensor) -> torch.Tensor | None:
-        """`rows` for the tile whose owned output is `out`, on out's device (a host
-        grad_out, tile:stream, is copied in a strip at a time)."""
-        rows = self.rows(tile, out.shape[-2] // (tile.own[1] - tile.own[0]))
-        return None if rows is None else on_device(rows, out.device)
+    def fetch_rows(self, tile: Tile, sweep: "Sweep") -> Fetched:
+        """`rows` for `tile` on its way to the sweep's device (a host grad_out, tile:stream,
+        is copied in a strip at a time; grad_out spans the sweep's owned rows, so its factor
+        over the coarse grid is known before the tile runs)."""
+        if self.grad_out is None:
+            return Fetched(pending=lambda: None)
+        factor = self.grad_out.shape[-2] // sweep.tiles[-1].own[1]
+        return fetch(self.rows(tile, factor), sweep.device)
 
 
 def seed_gradient(z: torch.Tensor, rows: torch.Tensor | None,
@@ -388,10 +436,6 @@ def backprop_tiles(sweep: Sweep, tensors: list, needs: Sequence[bool], target: i
     return grads
 
 
-def grad_seed(seed: Seed, tile: Tile, out: torch.Tensor, kernels: str) -> torch.Tensor:
-    return seed_gradient(out, seed.rows_on(tile, out), seed.affine, kernels)
-
-
 def strip_gradient(run: TileRun, full: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
     """The gradient of the whole strip's output: `owned` in the rows the tile owns, zero in
     the halo, in the strip's memory format. Backpropagating through the crop instead
@@ -416,18 +460,20 @@ def backprop_eager(sweep: Sweep, tensors: list, needs: Sequence[bool], target: i
     # autocast entered once for all tiles: its cache keeps each weight's low-precision copy
     # across them (entered per tile, every convolution recast its weight in every tile)
     with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
-        for tile in sweep.tiles if tiles is None else tiles:
-            _backprop_tile(sweep, tile, inputs, stats, params, needs, target, seed, grads)
+        for tile, strips, rows in tile_strips(sweep, inputs, tiles, seed):
+            _backprop_tile(sweep, tile, strips, rows, inputs, stats, params, needs, target,
+                           seed, grads)
+    settle(sweep.device)  # the host input gradients' last rows are written
     return grads
 
 
-def _backprop_tile(sweep: Sweep, tile: Tile, inputs: list, stats: list, params: list,
-                   needs: Sequence[bool], target: int | None, seed: Seed, grads: list) -> None:
-    """One tile of backprop_eager: recompute it with grad, add its gradients into `grads` and
-    the region's shared input gradients."""
+def _backprop_tile(sweep: Sweep, tile: Tile, strips: list, rows: torch.Tensor | None,
+                   inputs: list, stats: list, params: list, needs: Sequence[bool],
+                   target: int | None, seed: Seed, grads: list) -> None:
+    """One tile of backprop_eager, given its strips and its rows of grad_out: recompute it
+    with grad, add its gradients into `grads` and the region's shared input gradients."""
     region, n = sweep.region, sweep.n_inputs
-    strips = [s.detach().requires_grad_(needs[i]) for i, s in
-              enumerate(strips_of(region, tile, inputs, sweep.device))]
+    strips = [s.detach().requires_grad_(needs[i]) for i, s in enumerate(strips)]
     flat = [None if t is None else t.detach().requires_grad_(needs[n + i])
             for i, t in enumerate(flatten_stats(stats))]
     leaves = strips + flat + list(params)
@@ -445,8 +491,8 @@ def _backprop_tile(sweep: Sweep, tile: Tile, inputs: list, stats: list, params: 
     run = TileRun(region, tile, sweep.unpack([*strips, *flat])[1], target)
     full = run.uncropped(viewed)
     got = torch.autograd.grad(full, [leaves[i] for i in wanted],
-                              strip_gradient(run, full, grad_seed(seed, tile, run.owned(full),
-                                                                region.kernels)),
+                              strip_gradient(run, full, seed_gradient(
+                                  run.owned(full), rows, seed.affine, region.kernels)),
                               allow_unused=True)
     q0, q1 = tile.strip
     for i, g in zip(wanted, got):

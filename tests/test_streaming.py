@@ -1,0 +1,122 @@
+"""memstudy/streaming.py and the sweeps' use of it: a host boundary's strips for the next tile are
+copied in while a tile computes, on a side stream ordered with the kernels by events.
+
+CPU: the order in which a sweep starts and hands out its tiles' strips, and the traffic
+counters. GPU: each ordering the side stream relies on, made visible by delaying one stream
+with a sleeping kernel (a copy that did not wait would read or write the wrong bytes)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memstudy import streaming
+from memstudy.tiling import sweep as sweep_module
+from memstudy.tiling.geometry import Tile
+
+
+class _Region:
+    input_factors = [1]
+
+
+class _Sweep:
+    """What tile_strips reads of a Sweep."""
+
+    def __init__(self, n: int):
+        self.region = _Region()
+        self.tiles = [Tile(own=(4 * i, 4 * i + 4), strip=(4 * i, 4 * i + 4)) for i in range(n)]
+        self.device = None
+
+
+def test_the_next_tiles_strips_are_started_before_a_tile_is_handed_out(monkeypatch):
+    """tile_strips: tile i + 1's fetches start before tile i goes to the caller, so its
+    copies run while tile i computes; every tile comes once, in order, with its own rows."""
+    events = []
+    started = sweep_module.fetch_strips
+
+    def recording(region, tile, inputs, device):
+        events.append(("start", tile.strip[0] // 4))
+        return started(region, tile, inputs, device)
+
+    monkeypatch.setattr(sweep_module, "fetch_strips", recording)
+    x = torch.arange(16.0).reshape(1, 1, 16, 1)
+    handed = []
+    for tile, strips, rows in sweep_module.tile_strips(_Sweep(4), [x]):
+        events.append(("hand", tile.strip[0] // 4))
+        handed.append(strips[0].flatten().tolist())
+        assert rows is None
+    assert handed == [[4.0 * i + j for j in range(4)] for i in range(4)]
+    for i in range(3):
+        assert events.index(("start", i + 1)) < events.index(("hand", i))
+    assert events.count(("hand", 3)) == 1 and ("start", 4) not in events
+
+
+def test_a_seeds_rows_come_with_their_tiles_strips():
+    """With a seed, each tile also gets its owned rows of grad_out, at grad_out's factor over
+    the coarse grid (here 2: 8 rows of grad_out per 4 coarse rows)."""
+    x = torch.zeros(1, 1, 8, 1)
+    grad_out = torch.arange(16.0).reshape(1, 1, 16, 1)
+    sw = _Sweep(2)
+    got = [rows.flatten().tolist() for _t, _s, rows in
+           sweep_module.tile_strips(sw, [x], seed=sweep_module.Seed(grad_out))]
+    assert got == [list(map(float, range(8))), list(map(float, range(8, 16)))]
+
+
+def test_traffic_take_returns_the_counts_and_starts_again():
+    traffic = streaming.Traffic(h2d_bytes=10, d2h_bytes=3)
+    assert traffic.take() == (10, 3)
+    assert traffic.take() == (0, 0)
+
+
+def test_a_tensor_already_where_it_is_asked_for_is_not_copied():
+    t = torch.ones(2, 3)
+    assert streaming.fetch(t, None).get() is t
+    assert streaming.on_device(t, torch.device("cpu")) is t
+    streaming.settle(torch.device("cpu"))  # nothing issued: nothing to wait for
+
+
+_SLEEP = 200_000_000  # GPU cycles: about 0.1 s, far longer than the copies below
+
+
+@pytest.mark.gpu
+def test_a_fetched_strip_is_read_only_after_its_copy_lands():
+    """The side stream is held back by a sleeping kernel; the compute stream reads the fetched
+    tensor at once and must still see the host's values (get() waits for the copy's event)."""
+    host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+    side = streaming._side_stream(torch.device("cuda"))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(_SLEEP)
+    read = streaming.fetch(host, torch.device("cuda")).get().clone()
+    torch.cuda.current_stream().synchronize()
+    streaming.settle(torch.device("cuda"))
+    assert torch.equal(read.cpu(), host)
+
+
+@pytest.mark.gpu
+def test_written_rows_are_the_kernels_values_once_settled():
+    """write_rows copies only after the kernels that make `part` (the compute stream sleeps
+    before filling it), and settle makes the compute stream wait for the copy: synchronising
+    the compute stream alone then shows the host rows written."""
+    host = torch.zeros(4, 1 << 18).pin_memory()
+    part = torch.zeros(2, 1 << 18, device="cuda")
+    torch.cuda._sleep(_SLEEP)
+    part.fill_(7.0)
+    streaming.write_rows(host[1:3], part)
+    del part  # its memory must not be reused before the copy (record_stream)
+    torch.zeros(2, 1 << 18, device="cuda").fill_(-1.0)
+    streaming.settle(torch.device("cuda"))
+    torch.cuda.current_stream().synchronize()
+    assert torch.all(host[1:3] == 7.0) and torch.all(host[0] == 0) and torch.all(host[3] == 0)
+
+
+@pytest.mark.gpu
+def test_added_rows_follow_the_writes_before_them():
+    """add_rows on host rows twice, the second overlapping the first: the second read follows
+    the first write on the one copy stream, so both additions land (host 1 + 2 + 3)."""
+    host = torch.ones(6, 1 << 16).pin_memory()
+    streaming.add_rows(host.view(1, 1, 6, 1 << 16), 0, 4, torch.full((1, 1, 4, 1 << 16), 2.0,
+                                                                       device="cuda"))
+    streaming.add_rows(host.view(1, 1, 6, 1 << 16), 2, 6, torch.full((1, 1, 4, 1 << 16), 3.0,
+                                                                       device="cuda"))
+    streaming.settle(torch.device("cuda"))
+    torch.cuda.current_stream().synchronize()
+    assert torch.all(host[:2] == 3) and torch.all(host[2:4] == 6) and torch.all(host[4:] == 4)
