@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from pytorch_msssim.ssim import _fspecial_gauss_1d, gaussian_filter
 
-from memstudy.streaming import add_rows, on_device
+from memstudy.streaming import add_rows, on_device, settle
 
 WIN_SIGMA = 1.5  # pytorch-msssim's default
 C1, C2 = 0.01 ** 2, 0.03 ** 2  # pytorch-msssim's (K1 data_range)^2, (K2 data_range)^2, data_range 1
@@ -126,6 +126,7 @@ def _level_pass(x, y, win, rows: int, use_ssim: bool, need: tuple[bool, bool]):
         for grad, wanted in zip(grads, need):
             if wanted:
                 add_rows(grad, r0, r1, next(found))
+    settle(x.device)  # a host target's gradient rows are written before anyone reads them
     return ssim_sum / total, cs_sum / total, grads
 
 

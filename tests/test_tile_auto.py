@@ -11,7 +11,7 @@ import torch
 from conftest import small_config
 
 from memstudy.errors import ConfigError
-from memstudy.network import ModelConfig
+from memstudy.network import DEFAULT_DECODER_CHANNELS, ModelConfig
 from memstudy.techniques.compose import make_plan
 from memstudy.tiling import auto
 
@@ -122,11 +122,11 @@ def test_the_fastest_plan_that_fits_with_its_tallest_strips():
 
 @pytest.mark.parametrize("side, budget, optim_on_device, plan, rows", [
     (4192, 4, True, "levels2", 1400),          # 4188 px padded: 3 strips
-    (4192, 2, False, "levels4-stream", 848),   # with offload_optim: 5 strips
+    (4192, 2, False, "levels4-stream", 704),   # with offload_optim: 6 strips
     (4192, 8, True, "levels2", 4192),          # the whole image in one strip
     (8192, 8, True, "levels3", 1640),          # 5 strips (levels2's would be under MIN_ROWS)
-    (12288, 8, True, "levels4-stream", 1536),  # 8 strips
-    (16384, 8, True, "levels4-stream", 864),   # 19 strips
+    (12288, 8, True, "levels4-stream", 1376),  # 9 strips
+    (16384, 8, True, "levels4-stream", 784),   # 21 strips
 ])
 def test_the_picks_for_the_studys_sizes_and_budgets_are_pinned(side, budget, optim_on_device,
                                                                 plan, rows):
@@ -134,6 +134,37 @@ def test_the_picks_for_the_studys_sizes_and_budgets_are_pinned(side, budget, opt
     change of the model, its calibration or its margin shows here first."""
     chosen = pick(side, budget, optim_on_device=optim_on_device)
     assert (chosen.plan, chosen.rows) == (plan, rows)
+
+
+def test_a_streamed_plan_counts_the_strips_fetched_a_tile_ahead():
+    """The streamed sweeps hold the next tile's host strips beside the one computing
+    (memstudy/streaming.py): the most of any region, for ResNet-34 at levels=4 decoder block
+    3's first convolution, whose inputs are z2 (64 channels at 1/4 res, bf16) and the image (1
+    channel, float32) and whose output z3 (32 channels at 1/2 res) brings its gradient rows in
+    backward: 64 / 16 * 2 + 1 * 4 + 32 / 4 * 2 = 28 bytes per strip row and image column. The
+    pick adds it for every strip row, so the strips are lower than without it."""
+    from memstudy.models import build_unet
+    from memstudy.tiling.tiled_forward import TiledForward
+
+    with torch.device("meta"):
+        unet = build_unet()
+    streamed = TiledForward(unet, 4, 0, 0, "conv1", None, "convs", "torch", stream=True)
+    assert streamed.fetched_ahead_bytes(1, 1, 2) == 64 / 16 * 2 + 1 * 4 + 32 / 4 * 2
+    assert streamed.fetched_ahead_bytes(16384, 2, 2) == 2 * 16384 * 28
+    device = TiledForward(unet, 4, 0, 0, "conv1", None, "convs", "torch", stream=False)
+    assert device.fetched_ahead_bytes(16384, 1, 2) == 0
+    chosen = pick(16384, 8)
+    halo = auto.min_tile_rows(4, "conv1", "convs", "resnet34")
+    shapes = auto._Shapes.of(("resnet34", tuple(DEFAULT_DECODER_CHANNELS), 1, 1, "enhance"))
+
+    def predicted(rows: int, ahead: bool) -> float:
+        return shapes.parameters * 16 + auto._activations(
+            "levels4-stream", shapes, 4, 16384, 16384, rows + halo, 2) \
+            + ahead * 28 * 16384 * (rows + halo)
+
+    assert chosen.predicted_bytes == int(predicted(chosen.rows, True))
+    # 864-row strips (19), the pick before the copies ran ahead, fit only without the term
+    assert predicted(864, False) <= chosen.available_bytes < predicted(864, True)
 
 
 def test_a_larger_encoder_gets_no_taller_strips():

@@ -8,14 +8,16 @@ strips are fewer halo rows recomputed and fewer launches.
 What fits is predicted by a model of the training step's device peak (its backward's: the
 loss and validation size their blocks from the memory left, memstudy/quality.py):
 
-    peak = state + c + ku * v * H * W * e + kw * t * (rows + halo) * W * e
+    peak = state + c + ku * v * H * W * e + kw * t * (rows + halo) * W * e  (+ a * (rows + halo) * W)
 
 `state`: parameters and gradients (float32), and Adam's two moments unless offload_optim
 holds them; `v`: the largest checkpointed unit below the tiled levels (a residual or decoder
 block: the leaf outputs inside it, its input and its output), `t`: every leaf output inside
 them, both in elements per full-resolution pixel, counted on the meta device (in-place outputs
 left out), so a ResNet-50 or ResNeXt encoder scales the prediction by its own shapes; `e`:
-bytes per element (2 under amp, else 4); `rows + halo`: one strip's rows. The constants c, ku,
+bytes per element (2 under amp, else 4); `rows + halo`: one strip's rows; `a`, streamed plans
+only: the bytes per row of the strips a sweep fetches a tile ahead, counted from the regions'
+host inputs (TiledForward.fetched_ahead_bytes), not fitted. The constants c, ku,
 kw are fitted per plan, by least squares, to the allocator peaks measured on an H200
 (CALIBRATION: 2048 and 4096 px, 256 and 1024 rows, benchmarks/results/h200/auto-calibration/);
 they predict the streamed 8192-16384 px steps 5-15% above what they measured, on the safe
@@ -107,9 +109,11 @@ def _pick(height, width, batch, budget, key, amp, optim_on_device) -> Pick:
     for name, (levels, keep, layer1, stream) in PLANS.items():
         halo = min_tile_rows(levels, keep, layer1, encoder)
         floor = max(2 * halo, 2 ** levels) if name == last else min(MIN_ROWS, height)
+        ahead = _fetched_ahead_row_bytes(key, levels, keep, layer1, element) if stream else 0
         for rows in _strip_heights(height, 2 ** levels, floor):
             predicted = state + _activations(name, shapes, levels, height, width,
-                                             rows + halo, element, batch)
+                                             rows + halo, element, batch) \
+                + ahead * batch * width * (rows + halo)
             if predicted <= available:
                 return Pick(name, levels, keep, layer1, stream, rows, int(predicted),
                             available)
@@ -140,6 +144,27 @@ def _activations(plan: str, shapes: "_Shapes", levels: int, height: int, width: 
     c, ku, kw = _fitted()[plan]
     below, inside = shapes.split(levels)
     return c + batch * element * width * (ku * below * height + kw * inside * strip_rows)
+
+
+@lru_cache(maxsize=16)
+def _fetched_ahead_row_bytes(key: tuple, levels: int, keep: str, layer1: str,
+                             element: int) -> float:
+    """Bytes per strip row and image column that a streamed sweep holds for the next tile
+    (TiledForward.fetched_ahead_bytes). Not in CALIBRATION, whose streamed peaks were measured
+    before the copies ran a tile ahead: added as counted, not fitted."""
+    import torch
+
+    from memstudy.models import build_unet
+    from memstudy.network import ModelConfig
+    from memstudy.tiling.tiled_forward import TiledForward
+
+    encoder, decoder, in_channels, classes, task = key
+    network = ModelConfig(encoder=encoder, decoder_channels=list(decoder),
+                          in_channels=in_channels, classes=classes)
+    with torch.device("meta"):
+        unet = build_unet(network=network, task=task)
+    tiled = TiledForward(unet, levels, 0, 0, keep, None, layer1, "torch", stream=True)
+    return tiled.fetched_ahead_bytes(1, 1, element)
 
 
 @lru_cache(maxsize=1)

@@ -259,6 +259,25 @@ class TiledForward:
         return sum(batch * channels * (height // down) * (width // down) * element_bytes
                    for channels, down in map(self.boundary_shape, self.host_outputs()))
 
+    def fetched_ahead_bytes(self, width: int, batch: int, element_bytes: int) -> float:
+        """Bytes per full-resolution strip row that a streamed sweep holds for the tile after
+        the one computing (memstudy/streaming.py fetches a tile ahead), the most of any region:
+        its host inputs' strips (the image's in float32, the batches being float32) and, in
+        backward, its host output's gradient rows. Zero without `stream`."""
+        if not self.stream:
+            return 0.0
+
+        def row_bytes(name: str) -> float:
+            channels, down = ((self.unet.encoder.conv1.in_channels, 1) if name == "x"
+                              else self.boundary_shape(name))
+            element = 4 if name == "x" else element_bytes
+            return batch * channels * (width / down) / down * element
+
+        host = self.kept_on_host | {"x"}
+        return max(sum(row_bytes(n) for n in spec.inputs if n in host)
+                   + (row_bytes(spec.output) if spec.output in host else 0.0)
+                   for spec in self.specs)
+
     def boundary_shape(self, name: str) -> tuple[int, int]:
         """(channels, down-sampling) of a boundary the stream keeps on the host: the stem's
         output `p0`, the tiled stages' between their regions (a block's first convolution's
