@@ -120,3 +120,38 @@ def test_added_rows_follow_the_writes_before_them():
     streaming.settle(torch.device("cuda"))
     torch.cuda.current_stream().synchronize()
     assert torch.all(host[:2] == 3) and torch.all(host[2:4] == 6) and torch.all(host[4:] == 4)
+
+
+def _unfilled(shape, dtype, device, memory_format=torch.contiguous_format):
+    """host_empty whose rows are NaN, so that a row nothing wrote cannot pass for zero."""
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def test_a_host_input_gradient_is_written_as_the_tiles_come(monkeypatch):
+    """Sweep.add_input_grad: rows nothing wrote are written (no zero fill, nothing read back),
+    rows the strip before wrote are added to, rows no strip reached are zero, and a later
+    Function adds to all of them: the sums a zero-filled buffer would hold."""
+    monkeypatch.setattr(sweep_module, "host_empty", _unfilled)
+    sw = sweep_module.Sweep(_Region(), [], ("cpu", False, torch.float32))
+    sw.pending[0] = 2  # two Functions add into input 0
+    like = torch.zeros(1, 1, 10, 2)
+
+    def rows(n: int, value: float) -> torch.Tensor:
+        return torch.full((1, 1, n, 2), value)
+
+    sw.add_input_grad(0, like, 0, 4, rows(4, 1.0))   # rows 0-3 written
+    sw.add_input_grad(0, like, 2, 6, rows(4, 2.0))   # rows 2-3 added to, 4-5 written
+    sw.add_input_grad(0, like, 7, 9, rows(2, 5.0))   # row 6 reached by no strip: zero
+    assert sw.settle(0) is None
+    sw.add_input_grad(0, like, 0, 10, rows(10, 1.0))  # the next Function: row 9 still unwritten
+    grad = sw.settle(0)
+    expected = torch.tensor([2, 2, 4, 4, 3, 3, 1, 6, 6, 1.0]).view(1, 1, 10, 1).expand(1, 1, 10, 2)
+    assert torch.equal(grad, expected)
+
+
+def test_rows_below_the_last_strip_with_a_gradient_are_zero_when_the_sum_is_handed_on(monkeypatch):
+    monkeypatch.setattr(sweep_module, "host_empty", _unfilled)
+    sw = sweep_module.Sweep(_Region(), [], ("cpu", False, torch.float32))
+    sw.pending[0] = 1
+    sw.add_input_grad(0, torch.zeros(1, 1, 6, 1), 0, 3, torch.ones(1, 1, 3, 1))
+    assert torch.equal(sw.settle(0).flatten(), torch.tensor([1, 1, 1, 0, 0, 0.0]))

@@ -190,6 +190,10 @@ class Sweep:
     host: bool = False  # the output is assembled in host memory (tile:stream)
     input_grads: list = field(init=False)  # per input: the shared buffer, or None
     pending: list = field(init=False)  # per input: Functions yet to add into it
+    # per input: the first row of a host buffer that nothing has written yet (None: the buffer
+    # was zero-filled). A host buffer is written as the first backward sweep's tiles come, top to
+    # bottom, instead of being zero-filled and then read back to be added to (add_input_grad)
+    unwritten: list = field(init=False)
     # The region's inputs are saved once, by _Apply, whose backward runs first (every _Stats
     # output feeds it): its unpacked inputs serve the _Stats backwards after it, so a
     # transform such as offload brings each input back once per backward, not once per
@@ -201,6 +205,7 @@ class Sweep:
 
     def __post_init__(self) -> None:
         self.input_grads, self.pending = [None] * self.n_inputs, [0] * self.n_inputs
+        self.unwritten = [None] * self.n_inputs
 
     def share_inputs(self, inputs: list) -> None:
         """_Apply's backward: its unpacked inputs, for the _Stats backwards to come."""
@@ -225,21 +230,45 @@ class Sweep:
                 self.pending[i] += bool(needs[i])
 
     def input_grad(self, i: int, like: torch.Tensor) -> torch.Tensor:
-        """The shared gradient of input i, where the input lies (a host input's on the host)."""
+        """The shared gradient of input i, where the input lies (a host input's on the host,
+        unwritten until add_input_grad writes it; CUDA graphs add into a zero-filled one)."""
         if self.input_grads[i] is None:
-            on_host = like.device.type == "cpu" and self.device is not None \
-                and self.device.type != "cpu"
-            self.input_grads[i] = (host_empty(like.shape, like.dtype, self.device,
-                                              memory_format_of(like)).zero_()
-                                   if on_host else torch.zeros_like(like))
+            if like.device.type == "cpu" and self.graphs is None:
+                self.input_grads[i] = host_empty(like.shape, like.dtype, self.device,
+                                                 memory_format_of(like))
+                self.unwritten[i] = 0
+            else:
+                self.input_grads[i] = torch.zeros_like(like)
         return self.input_grads[i]
 
+    def add_input_grad(self, i: int, like: torch.Tensor, lo: int, hi: int,
+                       part: torch.Tensor) -> None:
+        """Rows lo:hi of input i's shared gradient += part. Rows nothing has written yet are
+        written, not added to (0 + g is g): on the host no zero fill, and no copy in of zeros.
+        The first sweep's tiles come top to bottom and each strip starts at or above the last
+        one's end, so the rows below `unwritten` are the only ones written so far."""
+        full, start = self.input_grad(i, like), self.unwritten[i]
+        if start is None or hi <= start:
+            add_rows(full, lo, hi, part)
+            return
+        if lo > start:  # rows no strip's gradient reached (a tile that did not need it)
+            full[..., start:lo, :].zero_()
+        cut = max(lo, start)
+        if cut > lo:  # the rows the strip before wrote (its halo), added to
+            add_rows(full, lo, cut, part[..., :cut - lo, :])
+        write_rows(full[..., cut:hi, :], part[..., cut - lo:, :])
+        self.unwritten[i] = hi
+
     def settle(self, i: int) -> torch.Tensor | None:
-        """One Function's backward is done with input i: the sum once it was the last."""
+        """One Function's backward is done with input i: the sum once it was the last (rows no
+        strip's gradient reached zeroed)."""
         self.pending[i] -= 1
         if self.pending[i]:
             return None
         grad, self.input_grads[i] = self.input_grads[i], None
+        start, self.unwritten[i] = self.unwritten[i], None
+        if start is not None and start < grad.shape[-2]:
+            grad[..., start:, :].zero_()
         return grad
 
     @property
@@ -500,7 +529,7 @@ def _backprop_tile(sweep: Sweep, tile: Tile, strips: list, rows: torch.Tensor | 
             continue
         if i < n:  # an input strip: add into the region's shared input gradient
             f = region.input_factors[i]
-            add_rows(sweep.input_grad(i, inputs[i]), f * q0, f * q1, g)
+            sweep.add_input_grad(i, inputs[i], f * q0, f * q1, g)
         else:
             grads[i] = g if grads[i] is None else grads[i] + g
 
