@@ -74,13 +74,16 @@ class Fetched:
         return self.tensor
 
 
-def fetch(t: torch.Tensor, device: torch.device | None) -> Fetched:
+def fetch(t: torch.Tensor, device: torch.device | None, side: bool = True) -> Fetched:
     """Start bringing `t` to `device`. A host tensor bound for a CUDA device is copied on the
     device's side stream into memory allocated in the compute stream's order (the side stream
-    first waits for the kernels enqueued so far, which may still use that memory)."""
+    first waits for the kernels enqueued so far, which may still use that memory); `side=False`
+    copies on the current stream (tile:ahead=false)."""
     if device is None or t.device == device:
         return Fetched(t)
-    if device.type != "cuda" or t.device.type != "cpu":
+    if device.type != "cuda" or t.device.type != "cpu" or not side:
+        if device.type == "cuda" and t.device.type == "cpu":
+            TRAFFIC.h2d_bytes += t.numel() * t.element_size()
         return Fetched(t.to(device, non_blocking=True))
     target = torch.empty_like(t, device=device)
     side = _side_stream(device)
@@ -93,17 +96,19 @@ def fetch(t: torch.Tensor, device: torch.device | None) -> Fetched:
     return Fetched(target, done)
 
 
-def on_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+def on_device(t: torch.Tensor, device: torch.device | None, side: bool = True) -> torch.Tensor:
     """`t` on `device` (itself where it lies there, or no device is asked for); a copy from
     pinned host memory is asynchronous (`fetch`), the current stream waiting for it."""
-    return fetch(t, device).get()
+    return fetch(t, device, side).get()
 
 
-def write_rows(rows: torch.Tensor, part: torch.Tensor) -> None:
+def write_rows(rows: torch.Tensor, part: torch.Tensor, side: bool = True) -> None:
     """rows.copy_(part): to host `rows` on the side stream once the kernels enqueued so far
     (those making `part`) are done, `part`'s memory kept from reuse until the copy is; any
-    other pair in place on the current stream."""
-    if part.device.type != "cuda" or rows.device.type != "cpu":
+    other pair, or `side=False`, in place on the current stream."""
+    if part.device.type != "cuda" or rows.device.type != "cpu" or not side:
+        if part.device.type == "cuda" and rows.device.type == "cpu":
+            TRAFFIC.d2h_bytes += part.numel() * part.element_size()
         rows.copy_(part, non_blocking=True)
         return
     side = _side_stream(part.device)
@@ -132,7 +137,8 @@ def host_empty(shape, dtype: torch.dtype, device: torch.device | None,
                        pin_memory=device is not None and device.type == "cuda")
 
 
-def add_rows(full: torch.Tensor, lo: int, hi: int, part: torch.Tensor) -> None:
+def add_rows(full: torch.Tensor, lo: int, hi: int, part: torch.Tensor,
+             side: bool = True) -> None:
     """full[..., lo:hi, :] += part, where `full` may be a host tensor and `part` on the device:
     the rows are brought in, added on the device and written back (a strip's worth of device
     memory; the same additions in the same order as on the device)."""
@@ -140,6 +146,6 @@ def add_rows(full: torch.Tensor, lo: int, hi: int, part: torch.Tensor) -> None:
     if rows.device == part.device:
         rows += part
         return
-    summed = on_device(rows, part.device)
+    summed = on_device(rows, part.device, side)
     summed += part
-    write_rows(rows, summed)
+    write_rows(rows, summed, side)

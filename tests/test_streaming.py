@@ -25,6 +25,7 @@ class _Sweep:
         self.region = _Region()
         self.tiles = [Tile(own=(4 * i, 4 * i + 4), strip=(4 * i, 4 * i + 4)) for i in range(n)]
         self.device = None
+        self.ahead = True
 
 
 def test_the_next_tiles_strips_are_started_before_a_tile_is_handed_out(monkeypatch):
@@ -33,9 +34,9 @@ def test_the_next_tiles_strips_are_started_before_a_tile_is_handed_out(monkeypat
     events = []
     started = sweep_module.fetch_strips
 
-    def recording(region, tile, inputs, device):
+    def recording(region, tile, inputs, device, side=True):
         events.append(("start", tile.strip[0] // 4))
-        return started(region, tile, inputs, device)
+        return started(region, tile, inputs, device, side)
 
     monkeypatch.setattr(sweep_module, "fetch_strips", recording)
     x = torch.arange(16.0).reshape(1, 1, 16, 1)
@@ -48,6 +49,25 @@ def test_the_next_tiles_strips_are_started_before_a_tile_is_handed_out(monkeypat
     for i in range(3):
         assert events.index(("start", i + 1)) < events.index(("hand", i))
     assert events.count(("hand", 3)) == 1 and ("start", 4) not in events
+
+
+def test_without_ahead_each_tiles_strips_are_started_as_it_is_handed_out(monkeypatch):
+    """tile:ahead=false: no tile's fetches start before the tile before it was handed out
+    (the copies then run on the compute stream, one tile's strips at a time)."""
+    events = []
+    started = sweep_module.fetch_strips
+
+    def recording(region, tile, inputs, device, side=True):
+        events.append(("start", tile.strip[0] // 4, side))
+        return started(region, tile, inputs, device, side)
+
+    monkeypatch.setattr(sweep_module, "fetch_strips", recording)
+    sw = _Sweep(3)
+    sw.ahead = False
+    for tile, _strips, _rows in sweep_module.tile_strips(sw, [torch.zeros(1, 1, 12, 1)]):
+        events.append(("hand", tile.strip[0] // 4))
+    assert events == [("start", 0, False), ("hand", 0), ("start", 1, False), ("hand", 1),
+                      ("start", 2, False), ("hand", 2)]
 
 
 def test_a_seeds_rows_come_with_their_tiles_strips():

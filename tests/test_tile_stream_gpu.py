@@ -65,6 +65,28 @@ def test_stream_step_equals_the_device_step_and_holds_less():
     assert streamed[3] < plain[3]
 
 
+def test_copies_a_tile_ahead_change_no_value():
+    """tile:ahead moves the streamed copies to a side stream and starts them a tile early; the
+    kernels and their order are the same, so the float64 step is the one with the copies on
+    the compute stream to 1e-12 relative (cuDNN's backward may sum in another order from run to
+    run; a copy read before it landed would differ by far more)."""
+    def step(ahead: bool):
+        torch.manual_seed(0)
+        model = build_unet(seed=0).to("cuda", torch.float64).train()
+        model.forward_padded = TiledForward(model, levels=4, tiles=4, layer1="convs",
+                                            kernels="torch", stream=True, ahead=ahead)
+        g = torch.Generator().manual_seed(3)
+        x = torch.rand(1, 1, 1024, 768, generator=g, dtype=torch.float64).cuda()
+        y = torch.rand(1, 1, 1024, 768, generator=g, dtype=torch.float64).cuda()
+        out = model(x)
+        ((out - y) ** 2).mean().backward()
+        torch.cuda.synchronize()
+        return [out.detach(), *(p.grad for p in model.parameters())]
+
+    for a, b in zip(step(False), step(True)):
+        assert ((a - b).norm() / a.norm().clamp_min(1e-30)).item() < 1e-12
+
+
 @pytest.mark.parametrize("task", ["enhance", "segment"])
 def test_a_host_target_gives_the_device_target_loss_and_gradient(task):
     """The chunked losses read a target in pinned host memory a block at a time: the value and

@@ -121,7 +121,8 @@ def auto_pick(plan: Plan):
                           "strips by hand (tile:rows=512)")
     height, width = (-(-side // STRIDE) * STRIDE for side in hw)
     return auto.pick(height, width, train.batch_size, plan.budget_bytes, plan.config.model,
-                     train.task, plan.has("amp"), not plan.has("offload_optim"))
+                     train.task, plan.has("amp"), not plan.has("offload_optim"),
+                     plan.chosen["tile"].ahead)
 
 
 def keeps_more_than_measured(checkpoint, offload) -> str:
@@ -161,6 +162,10 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError("tile:stream=true with tile:graphs=true: a graphed tile body reads "
                           "its strips from fixed device buffers, which host boundaries do not "
                           "fill; drop one of the two")
+    if not opts.ahead and not opts.stream and opts.tiles != AUTO:
+        raise ConfigError("tile:ahead=false without tile:stream=true: ahead says how streamed "
+                          "boundaries are copied, and nothing is streamed; drop ahead=false or "
+                          "add stream=true")
     if opts.stream and opts.levels < 2:
         raise ConfigError("tile:stream=true with tile:levels=1: at levels=1 no boundary lies "
                           "between tiled regions and the stem reads the whole image; use "
@@ -273,7 +278,7 @@ def apply(opts: Options, build: Build) -> None:
     kernels = resolve_impl(opts.norm, build.device, "tile:norm")
     notes = build.notes["tile"] = {"levels": opts.levels, "tiles": opts.tiles, "rows": opts.rows,
                                    "keep": opts.keep, "layer1": opts.layer1, "norm": kernels,
-                                   "stream": opts.stream,
+                                   "stream": opts.stream, "ahead": opts.stream and opts.ahead,
                                    "halo_rows": min_tile_rows(opts.levels, opts.keep, opts.layer1,
                                                               build.config.model.encoder)}
     if picked is not None:
@@ -289,7 +294,7 @@ def apply(opts: Options, build: Build) -> None:
         graphs = TileGraphs(CudaGraphs(), opts.graph_limit, opts.graph_fallback, notes)
         build.runtime.series_sources.append(lambda: _graph_rows(graphs, build.runtime.rank))
     model.forward_padded = TiledForward(model, opts.levels, opts.tiles, opts.rows, opts.keep,
-                                        graphs, opts.layer1, kernels, opts.stream)
+                                        graphs, opts.layer1, kernels, opts.stream, opts.ahead)
 
 
 def folded_levels(opts: Options) -> int:

@@ -16,8 +16,10 @@ block: the leaf outputs inside it, its input and its output), `t`: every leaf ou
 them, both in elements per full-resolution pixel, counted on the meta device (in-place outputs
 left out), so a ResNet-50 or ResNeXt encoder scales the prediction by its own shapes; `e`:
 bytes per element (2 under amp, else 4); `rows + halo`: one strip's rows; `a`, streamed plans
-only: the bytes per row of the strips a sweep fetches a tile ahead, counted from the regions'
-host inputs (TiledForward.fetched_ahead_bytes), not fitted. The constants c, ku,
+only, with tile:ahead (the default): the bytes per row a sweep holds beside the computing tile
+because its copies run a tile ahead (the next tile's strips, the previous one's gradient rows
+being written back), counted from the regions' host inputs (TiledForward.fetched_ahead_bytes),
+not fitted. The constants c, ku,
 kw are fitted per plan, by least squares, to the allocator peaks measured on an H200
 (CALIBRATION: 2048 and 4096 px, 256 and 1024 rows, benchmarks/results/h200/auto-calibration/);
 they predict the streamed 8192-16384 px steps 5-15% above what they measured, on the safe
@@ -90,16 +92,17 @@ class Pick:
 
 
 def pick(height: int, width: int, batch: int, budget: int, network, task: str,
-         amp: bool, optim_on_device: bool) -> Pick:
+         amp: bool, optim_on_device: bool, ahead: bool = True) -> Pick:
     """The fastest plan, with its tallest strips, whose predicted peak fits `budget` (bytes,
-    CUDA context included) for a padded height x width; ConfigError when none does."""
+    CUDA context included) for a padded height x width; ConfigError when none does. `ahead`:
+    a streamed plan's copies run a tile ahead (tile:ahead)."""
     key = (network.encoder, tuple(network.decoder_channels), network.in_channels,
            network.classes, task)  # a hashable ModelConfig: the picks are cached
-    return _pick(height, width, batch, budget, key, amp, optim_on_device)
+    return _pick(height, width, batch, budget, key, amp, optim_on_device, ahead)
 
 
 @lru_cache(maxsize=16)
-def _pick(height, width, batch, budget, key, amp, optim_on_device) -> Pick:
+def _pick(height, width, batch, budget, key, amp, optim_on_device, ahead) -> Pick:
     available = int((budget - CONTEXT_AFTER_WARMUP) * MARGIN)
     shapes = _Shapes.of(key)
     encoder = key[0]
@@ -109,11 +112,12 @@ def _pick(height, width, batch, budget, key, amp, optim_on_device) -> Pick:
     for name, (levels, keep, layer1, stream) in PLANS.items():
         halo = min_tile_rows(levels, keep, layer1, encoder)
         floor = max(2 * halo, 2 ** levels) if name == last else min(MIN_ROWS, height)
-        ahead = _fetched_ahead_row_bytes(key, levels, keep, layer1, element) if stream else 0
+        early = _fetched_ahead_row_bytes(key, levels, keep, layer1, element) \
+            if stream and ahead else 0
         for rows in _strip_heights(height, 2 ** levels, floor):
             predicted = state + _activations(name, shapes, levels, height, width,
                                              rows + halo, element, batch) \
-                + ahead * batch * width * (rows + halo)
+                + early * batch * width * (rows + halo)
             if predicted <= available:
                 return Pick(name, levels, keep, layer1, stream, rows, int(predicted),
                             available)
@@ -149,8 +153,8 @@ def _activations(plan: str, shapes: "_Shapes", levels: int, height: int, width: 
 @lru_cache(maxsize=16)
 def _fetched_ahead_row_bytes(key: tuple, levels: int, keep: str, layer1: str,
                              element: int) -> float:
-    """Bytes per strip row and image column that a streamed sweep holds for the next tile
-    (TiledForward.fetched_ahead_bytes). Not in CALIBRATION, whose streamed peaks were measured
+    """Bytes per strip row and image column that a streamed sweep holds beside the computing
+    tile when its copies run a tile ahead (TiledForward.fetched_ahead_bytes). Not in CALIBRATION, whose streamed peaks were measured
     before the copies ran a tile ahead: added as counted, not fitted."""
     import torch
 

@@ -129,38 +129,41 @@ def strips_of(region: Region, tile: Tile, inputs: Sequence[torch.Tensor],
 
 
 def fetch_strips(region: Region, tile: Tile, inputs: Sequence[torch.Tensor],
-                 device: torch.device | None) -> list[Fetched]:
-    """strips_of, started: a host input's strip is on its way (streaming.fetch); a device
-    input's is sliced when asked for, after its rows have arrived."""
+                 device: torch.device | None, side: bool = True) -> list[Fetched]:
+    """strips_of, started: a host input's strip is on its way (streaming.fetch; `side`: on the
+    side stream); a device input's is sliced when asked for, after its rows have arrived."""
     q0, q1 = tile.strip
-    return [_fetch_rows(x, f * q0, f * q1, device) for x, f in zip(inputs, region.input_factors)]
+    return [_fetch_rows(x, f * q0, f * q1, device, side)
+            for x, f in zip(inputs, region.input_factors)]
 
 
-def _fetch_rows(x: torch.Tensor, lo: int, hi: int, device: torch.device | None) -> Fetched:
-    if x.device.type == "cpu" and device is not None and device.type == "cuda":
+def _fetch_rows(x: torch.Tensor, lo: int, hi: int, device: torch.device | None,
+                side: bool) -> Fetched:
+    if x.device.type == "cpu" and device is not None and device.type == "cuda" and side:
         return fetch(x[..., lo:hi, :], device)
 
     def arrived() -> torch.Tensor:
         ROWS_IN.await_rows(x, lo, hi)
-        return fetch(x[..., lo:hi, :], device).get()
+        return fetch(x[..., lo:hi, :], device, side).get()
     return Fetched(pending=arrived)
 
 
 def tile_strips(sweep: "Sweep", inputs: Sequence[torch.Tensor],
                 tiles: Sequence[Tile] | None = None, seed: "Seed | None" = None):
     """(tile, its strips, its rows of seed's grad_out or None) for each of `tiles` (default:
-    the sweep's) in order. The next tile's fetches start as a tile is handed out, so a host
-    boundary's strips are copied in while the caller computes the tile before (tile:stream)."""
+    the sweep's) in order. With `sweep.ahead` the next tile's fetches start as a tile is handed
+    out, so a host boundary's strips are copied in while the caller computes the tile before
+    (tile:stream); without, each tile's as it is handed out, on the compute stream."""
     tiles = list(sweep.tiles if tiles is None else tiles)
 
     def started(tile: Tile) -> list[Fetched]:
         rows = [] if seed is None else [seed.fetch_rows(tile, sweep)]
-        return fetch_strips(sweep.region, tile, inputs, sweep.device) + rows
+        return fetch_strips(sweep.region, tile, inputs, sweep.device, sweep.ahead) + rows
 
     ahead = started(tiles[0]) if tiles else []
     for i, tile in enumerate(tiles):
-        got = [f.get() for f in ahead]
-        if i + 1 < len(tiles):
+        got = [f.get() for f in (ahead if sweep.ahead or i == 0 else started(tile))]
+        if i + 1 < len(tiles) and sweep.ahead:
             ahead = started(tiles[i + 1])
         if seed is None:
             yield tile, got, None
@@ -188,6 +191,7 @@ class Sweep:
     out_stats: bool = False  # _Apply also returns the statistics of its output (out_norm's)
     device: torch.device | None = None  # where the tiles compute (None: where the inputs lie)
     host: bool = False  # the output is assembled in host memory (tile:stream)
+    ahead: bool = True  # host copies on a side stream, the next tile's started early (tile:ahead)
     input_grads: list = field(init=False)  # per input: the shared buffer, or None
     pending: list = field(init=False)  # per input: Functions yet to add into it
     # per input: the first row of a host buffer that nothing has written yet (None: the buffer
@@ -249,14 +253,14 @@ class Sweep:
         one's end, so the rows below `unwritten` are the only ones written so far."""
         full, start = self.input_grad(i, like), self.unwritten[i]
         if start is None or hi <= start:
-            add_rows(full, lo, hi, part)
+            add_rows(full, lo, hi, part, self.ahead)
             return
         if lo > start:  # rows no strip's gradient reached (a tile that did not need it)
             full[..., start:lo, :].zero_()
         cut = max(lo, start)
         if cut > lo:  # the rows the strip before wrote (its halo), added to
-            add_rows(full, lo, cut, part[..., :cut - lo, :])
-        write_rows(full[..., cut:hi, :], part[..., cut - lo:, :])
+            add_rows(full, lo, cut, part[..., :cut - lo, :], self.ahead)
+        write_rows(full[..., cut:hi, :], part[..., cut - lo:, :], self.ahead)
         self.unwritten[i] = hi
 
     def settle(self, i: int) -> torch.Tensor | None:
@@ -361,7 +365,8 @@ class _Apply(torch.autograd.Function):
             if out is None:
                 out = _full_like(part, inputs, sweep)
             factor = part.shape[-2] // (tile.own[1] - tile.own[0])
-            write_rows(out[..., factor * tile.own[0]:factor * tile.own[1], :], part)
+            write_rows(out[..., factor * tile.own[0]:factor * tile.own[1], :], part,
+                       sweep.ahead)
             if sweep.out_stats:
                 acc = merge(acc, moments(part, sweep.region.kernels))
         settle(sweep.device)  # a host output's last rows are written before anything reads it
@@ -429,7 +434,7 @@ class Seed:
         if self.grad_out is None:
             return Fetched(pending=lambda: None)
         factor = self.grad_out.shape[-2] // sweep.tiles[-1].own[1]
-        return fetch(self.rows(tile, factor), sweep.device)
+        return fetch(self.rows(tile, factor), sweep.device, sweep.ahead)
 
 
 def seed_gradient(z: torch.Tensor, rows: torch.Tensor | None,
@@ -548,12 +553,13 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
 
 def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
                shared: Sequence[Stats] = (), graphs: Any = None,
-               device: torch.device | None = None, host: bool = False
+               device: torch.device | None = None, host: bool = False, ahead: bool = True
                ) -> tuple[torch.Tensor, list[Stats], Stats | None]:
     """The region's output over the whole image, the statistics every norm used, and those of
     the output for `region.out_norm` (None without one). `device`: where the tiles compute
     (default: where the first input lies); `host`: assemble the output in host memory
-    (tile:stream; the inputs may lie there too)."""
+    (tile:stream; the inputs may lie there too); `ahead`: host copies on a side stream, a
+    tile ahead (tile:ahead)."""
     # the inputs are what the region's Functions save: kept boundaries, which transforms
     # restricted to boundaries (offload / compress which=boundaries) must see; backward reads
     # them strip by strip (offload may bring them back by rows)
@@ -562,7 +568,7 @@ def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
     device = device or inputs[0].device
     sweep = Sweep(region, tiles, autocast_state(device.type), torch.is_grad_enabled(),
                   graphs, out_stats=out_norm is not None and out_norm.training,
-                  device=device, host=host)
+                  device=device, host=host, ahead=ahead)
     params = region.params()
     stats: list[Stats | None] = list(shared) + [None] * (len(region.norms) - region.shared)
     counts: dict[int, int] = {}

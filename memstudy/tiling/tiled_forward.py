@@ -217,11 +217,12 @@ class TiledForward:
 
     def __init__(self, unet: nn.Module, levels: int = 2, tiles: int = 0, rows: int = 0,
                  keep: str = "conv1", graphs: TileGraphs | None = None, layer1: str = "whole",
-                 kernels: str = "triton", stream: bool = False):
+                 kernels: str = "triton", stream: bool = False, ahead: bool = True):
         """`graphs`: replay the tile bodies as CUDA graphs (memstudy/tiling/graphs.py); None
         runs them eagerly. `layer1`: how levels=3 cuts layer1 into regions (chain.region_specs).
         `kernels`: the tiled BatchNorms' on CUDA, triton or torch (memstudy/tiling/norm.py).
-        `stream`: the boundaries only tiled regions read lie in host memory (`host_outputs`)."""
+        `stream`: the boundaries only tiled regions read lie in host memory (`host_outputs`);
+        `ahead`: their copies run on a side stream, a tile ahead (memstudy/streaming.py)."""
         check_levels(levels, "tile:levels")
         check_keep(keep, "tile:keep")
         check_layer1(layer1, levels, "tile:layer1")
@@ -230,7 +231,7 @@ class TiledForward:
         self.graphs = graphs
         self.stages = stages_of(unet)
         self.specs = region_specs(levels, keep, layer1, self.stages)
-        self.stream = stream
+        self.stream, self.ahead = stream, ahead
         self.kept_on_host = self.host_outputs()  # fixed by the regions: derived once
         if stream:  # the untiled decoder blocks' concatenations are their largest tensors
             for block in unet.decoder.blocks[:LAST_BLOCK + 1 - levels]:
@@ -260,11 +261,12 @@ class TiledForward:
                    for channels, down in map(self.boundary_shape, self.host_outputs()))
 
     def fetched_ahead_bytes(self, width: int, batch: int, element_bytes: int) -> float:
-        """Bytes per full-resolution strip row that a streamed sweep holds for the tile after
-        the one computing (memstudy/streaming.py fetches a tile ahead), the most of any region:
-        its host inputs' strips (the image's in float32, the batches being float32) and, in
-        backward, its host output's gradient rows. Zero without `stream`."""
-        if not self.stream:
+        """Bytes per full-resolution strip row that a streamed sweep holds beside the tile
+        computing when its copies run a tile ahead (memstudy/streaming.py), the most of any
+        region: in backward the next tile's host input strips (the image's in float32, the
+        batches being float32) and its rows of a host output gradient, and the tile before's
+        input gradient rows still being written back. Zero without `stream` or `ahead`."""
+        if not (self.stream and self.ahead):
             return 0.0
 
         def row_bytes(name: str) -> float:
@@ -274,7 +276,8 @@ class TiledForward:
             return batch * channels * (width / down) / down * element
 
         host = self.kept_on_host | {"x"}
-        return max(sum(row_bytes(n) for n in spec.inputs if n in host)
+        return max(sum(row_bytes(n) * (1 if n == "x" else 2)  # the image needs no gradient
+                       for n in spec.inputs if n in host)
                    + (row_bytes(spec.output) if spec.output in host else 0.0)
                    for spec in self.specs)
 
@@ -330,7 +333,7 @@ class TiledForward:
         shared = [stats[name] for name in region.norm_names[:region.shared]]
         out, own, out_stats = run_region(region, tiles, [values[n] for n in spec.inputs],
                                          shared, self.graphs, device,
-                                         host=spec.output in self.kept_on_host)
+                                         host=spec.output in self.kept_on_host, ahead=self.ahead)
         stats.update(zip(region.norm_names, own))
         if out_stats is not None:
             stats[spec.out_norm] = out_stats
