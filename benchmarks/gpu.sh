@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
 # then are packed into one archive, $OUT/results.tgz.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [host-profile] [host-steps] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-ahead] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [host-profile] [host-steps] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -106,6 +106,14 @@ for item in $STEPS; do
             for size in 8192 ${STREAM_SIZES:-12288 16384}; do
                 $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$stream" 2>&1 | tee -a "$RES/tile-stream.log"
             done ;;
+        # the streamed copies a tile ahead on a side stream against on the compute stream
+        # (tile:ahead=false), alternating twice in one run: STREAM_SET under 8 GiB at AHEAD_SIZE
+        # (default 8192), then the streaming GPU tests
+        tile-stream-ahead) size=${AHEAD_SIZE:-8192}
+            stream=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.STREAM_SET)")
+            off=${stream/stream=true/stream=true:ahead=false}
+            $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-ahead-$size" --size "$size" --budget 8GiB --steps 6 --no-float32 --no-references --tiled-set "$off;$stream;$off;$stream" 2>&1 | tee -a "$RES/tile-stream-ahead.log"
+            $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_streaming.py tests/test_tile_stream_gpu.py -k "not 16384" 2>&1 | tee "$RES/stream-ahead-tests.log" ;;
         # 4188 px under 2 GiB with the streaming set, tile:16 and tile:32 (bench_ladder.STREAM_2GIB_SETS)
         tile-stream-2gib) sets=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.STREAM_2GIB_SETS)")
             MEMSTUDY_ALLOC_TRACE="$RES/stream-4188-2gib/releases.md" $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-4188-2gib" --size 4188 --budget 2GiB --steps 6 --no-float32 --no-references --tiled-set "$sets" 2>&1 | tee -a "$RES/tile-stream.log" ;;
