@@ -4,15 +4,16 @@ device: what tile:stream keeps of a tiled region's boundaries, and a loss's targ
 Trade-off: device memory for PCIe traffic. A tensor that only strip-wise code reads (a tiled
 region's input, a chunked loss's target) need not be whole on the device: each strip is copied
 in as it is needed and each written strip copied out, so the device holds a strip's worth.
-On CUDA the copies run on one side stream per device, so that they overlap the kernels: a
-strip can be brought in (`fetch`) while the strip before it computes, and written rows go out
-(`write_rows`) while the next strip computes. Events order each copy with the kernels that
-read or write the same memory: a fetched strip is read only after its copy is done, a written
-strip's device memory is not reused before its copy is done, and one stream carries every
-copy, so a read of host rows follows every earlier write of them. `settle` makes the compute
-stream wait for all copies issued so far: code that reads host tensors by other means (the
-host itself, a copy on the compute stream) calls it first. The additions are the device
-path's, in the same order, so values do not change.
+On CUDA the copies run on two side streams per device, one each way, so that they overlap the
+kernels and each other (PCIe carries both directions at once): a strip can be brought in
+(`fetch`) while the strip before it computes, and written rows go out (`write_rows`) while the
+next strip computes. Events order each copy with the kernels that read or write the same
+memory: a fetched strip is read only after its copy is done, a written strip's device memory
+is not reused before its copy is done, and rows read back to be added to (`add_rows`) wait for
+every write issued before them. `settle` makes the compute stream wait for all copies issued so
+far: code that reads host tensors by other means (the host itself, a copy on the compute
+stream, the next region's fetches) calls it first, as every tiled sweep does at its end. The
+additions are the device path's, in the same order, so values do not change.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Callable
 
 import torch
 
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}  # each CUDA device's stream for copies
+_SIDE: dict[tuple[torch.device, str], torch.cuda.Stream] = {}  # (device, "in" / "out") -> stream
 _UNSETTLED: set[torch.device] = set()  # devices with copies issued since their last settle
 
 
@@ -47,14 +48,16 @@ def _cuda_key(device: torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's copy stream, which first waits for the kernels enqueued so far."""
+def _side_stream(device: torch.device, way: str) -> torch.cuda.Stream:
+    """The device's copy stream one `way` ("in": to the device, "out": to the host), which
+    first waits for the kernels enqueued so far."""
     key = _cuda_key(device)
-    if key not in _SIDE:
-        _SIDE[key] = torch.cuda.Stream(key)
-    _SIDE[key].wait_stream(torch.cuda.current_stream(key))
+    if (key, way) not in _SIDE:
+        _SIDE[(key, way)] = torch.cuda.Stream(key)
+    stream = _SIDE[(key, way)]
+    stream.wait_stream(torch.cuda.current_stream(key))
     _UNSETTLED.add(key)
-    return _SIDE[key]
+    return stream
 
 
 class Fetched:
@@ -74,11 +77,14 @@ class Fetched:
         return self.tensor
 
 
-def fetch(t: torch.Tensor, device: torch.device | None, side: bool = True) -> Fetched:
+def fetch(t: torch.Tensor, device: torch.device | None, side: bool = True,
+          after_writes: bool = False) -> Fetched:
     """Start bringing `t` to `device`. A host tensor bound for a CUDA device is copied on the
-    device's side stream into memory allocated in the compute stream's order (the side stream
-    first waits for the kernels enqueued so far, which may still use that memory); `side=False`
-    copies on the current stream (tile:ahead=false)."""
+    device's side stream in, into memory allocated in the compute stream's order (the side
+    stream first waits for the kernels enqueued so far, which may still use that memory), and
+    with `after_writes` once every write to the host issued so far is done (rows the caller may
+    have written since the last settle); `side=False` copies on the current stream
+    (tile:ahead=false)."""
     if device is None or t.device == device:
         return Fetched(t)
     if device.type != "cuda" or t.device.type != "cpu" or not side:
@@ -86,7 +92,9 @@ def fetch(t: torch.Tensor, device: torch.device | None, side: bool = True) -> Fe
             TRAFFIC.h2d_bytes += t.numel() * t.element_size()
         return Fetched(t.to(device, non_blocking=True))
     target = torch.empty_like(t, device=device)
-    side = _side_stream(device)
+    side = _side_stream(device, "in")
+    if after_writes:
+        side.wait_stream(_side_stream(device, "out"))
     with torch.cuda.stream(side):
         target.copy_(t, non_blocking=True)
         done = torch.cuda.Event()
@@ -111,7 +119,7 @@ def write_rows(rows: torch.Tensor, part: torch.Tensor, side: bool = True) -> Non
             TRAFFIC.d2h_bytes += part.numel() * part.element_size()
         rows.copy_(part, non_blocking=True)
         return
-    side = _side_stream(part.device)
+    side = _side_stream(part.device, "out")
     with torch.cuda.stream(side):
         rows.copy_(part, non_blocking=True)
     part.record_stream(side)
@@ -126,7 +134,9 @@ def settle(device: torch.device | None) -> None:
     key = _cuda_key(device)
     if key in _UNSETTLED:
         _UNSETTLED.discard(key)
-        torch.cuda.current_stream(key).wait_stream(_SIDE[key])
+        for way in ("in", "out"):
+            if (key, way) in _SIDE:
+                torch.cuda.current_stream(key).wait_stream(_SIDE[(key, way)])
 
 
 def host_empty(shape, dtype: torch.dtype, device: torch.device | None,
@@ -146,6 +156,6 @@ def add_rows(full: torch.Tensor, lo: int, hi: int, part: torch.Tensor,
     if rows.device == part.device:
         rows += part
         return
-    summed = on_device(rows, part.device, side)
+    summed = fetch(rows, part.device, side, after_writes=True).get()
     summed += part
     write_rows(rows, summed, side)

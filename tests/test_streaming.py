@@ -1,8 +1,9 @@
 """memstudy/streaming.py and the sweeps' use of it: a host boundary's strips for the next tile are
-copied in while a tile computes, on a side stream ordered with the kernels by events.
+copied in while a tile computes, on side streams (one each way) ordered with the kernels by
+events.
 
 CPU: the order in which a sweep starts and hands out its tiles' strips, and the traffic
-counters. GPU: each ordering the side stream relies on, made visible by delaying one stream
+counters. GPU: each ordering the side streams rely on, made visible by delaying one stream
 with a sleeping kernel (a copy that did not wait would read or write the wrong bytes)."""
 from __future__ import annotations
 
@@ -99,10 +100,10 @@ _SLEEP = 200_000_000  # GPU cycles: about 0.1 s, far longer than the copies belo
 
 @pytest.mark.gpu
 def test_a_fetched_strip_is_read_only_after_its_copy_lands():
-    """The side stream is held back by a sleeping kernel; the compute stream reads the fetched
+    """The stream in is held back by a sleeping kernel; the compute stream reads the fetched
     tensor at once and must still see the host's values (get() waits for the copy's event)."""
     host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
-    side = streaming._side_stream(torch.device("cuda"))
+    side = streaming._side_stream(torch.device("cuda"), "in")
     with torch.cuda.stream(side):
         torch.cuda._sleep(_SLEEP)
     read = streaming.fetch(host, torch.device("cuda")).get().clone()
@@ -129,17 +130,20 @@ def test_written_rows_are_the_kernels_values_once_settled():
 
 
 @pytest.mark.gpu
-def test_added_rows_follow_the_writes_before_them():
-    """add_rows on host rows twice, the second overlapping the first: the second read follows
-    the first write on the one copy stream, so both additions land (host 1 + 2 + 3)."""
-    host = torch.ones(6, 1 << 16).pin_memory()
-    streaming.add_rows(host.view(1, 1, 6, 1 << 16), 0, 4, torch.full((1, 1, 4, 1 << 16), 2.0,
-                                                                       device="cuda"))
-    streaming.add_rows(host.view(1, 1, 6, 1 << 16), 2, 6, torch.full((1, 1, 4, 1 << 16), 3.0,
-                                                                       device="cuda"))
-    streaming.settle(torch.device("cuda"))
+def test_added_rows_are_read_after_the_writes_before_them():
+    """The copies to the host run on a stream of their own: rows written there (held back by a
+    sleeping kernel) and then read back to be added to (add_rows) are read only once written,
+    so the sum holds both additions (1 + 2 + 3 where they overlap)."""
+    device = torch.device("cuda")
+    host = torch.ones(1, 1, 6, 1 << 16).pin_memory()
+    with torch.cuda.stream(streaming._side_stream(device, "out")):
+        torch.cuda._sleep(_SLEEP)
+    streaming.write_rows(host[..., 0:4, :], torch.full((1, 1, 4, 1 << 16), 3.0, device=device))
+    streaming.add_rows(host, 2, 6, torch.full((1, 1, 4, 1 << 16), 2.0, device=device))
+    streaming.settle(device)
     torch.cuda.current_stream().synchronize()
-    assert torch.all(host[:2] == 3) and torch.all(host[2:4] == 6) and torch.all(host[4:] == 4)
+    rows = host[0, 0, :, 0].tolist()
+    assert rows == [3.0, 3.0, 5.0, 5.0, 3.0, 3.0]
 
 
 def _unfilled(shape, dtype, device, memory_format=torch.contiguous_format):

@@ -158,7 +158,7 @@ class TileOptions:
     ahead: bool = field(default=True, metadata={
         "hash_neutral": True,
         "help": "with stream: copy the next tile's host strips in while a tile computes, and "
-                "written rows out while the next computes, on a side stream (one more tile's "
+                "written rows out while the next computes, on side streams (one more tile's "
                 "strips on the device); false: the copies on the compute stream, no overlap"})
     layer1: str = field(default="whole", metadata={
         "choices": LAYER1, "hash_neutral": True,

@@ -31,8 +31,9 @@ Streaming (`host=True`, tile:stream): the region's output is assembled in host m
 input's gradient adds up on the host, a strip's rows at a time. The sweeps compute on
 `Sweep.device` either way, and the same rows are added in the same order, so the values are the
 device path's to the bit. What the device then holds of a region is one strip's working set and
-the next strip's inputs; the copies run on a side stream, ordered with the kernels by events
-(memstudy/streaming.py), and every sweep ends with the compute stream waiting for its copies.
+the next strip's inputs; the copies run on side streams (one each way), ordered with the
+kernels by events (memstudy/streaming.py), and every sweep ends with the compute stream waiting
+for its copies.
 
 Numerics: tile statistics are merged with Chan's parallel formula in float32 (float64 for a
 float64 model); normalisation (fused with the ReLU after it: memstudy/tiling/norm.py) runs in
@@ -191,7 +192,7 @@ class Sweep:
     out_stats: bool = False  # _Apply also returns the statistics of its output (out_norm's)
     device: torch.device | None = None  # where the tiles compute (None: where the inputs lie)
     host: bool = False  # the output is assembled in host memory (tile:stream)
-    ahead: bool = True  # host copies on a side stream, the next tile's started early (tile:ahead)
+    ahead: bool = True  # host copies on side streams, the next tile's started early (tile:ahead)
     input_grads: list = field(init=False)  # per input: the shared buffer, or None
     pending: list = field(init=False)  # per input: Functions yet to add into it
     # per input: the first row of a host buffer that nothing has written yet (None: the buffer
@@ -558,7 +559,7 @@ def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
     """The region's output over the whole image, the statistics every norm used, and those of
     the output for `region.out_norm` (None without one). `device`: where the tiles compute
     (default: where the first input lies); `host`: assemble the output in host memory
-    (tile:stream; the inputs may lie there too); `ahead`: host copies on a side stream, a
+    (tile:stream; the inputs may lie there too); `ahead`: host copies on side streams, a
     tile ahead (tile:ahead)."""
     # the inputs are what the region's Functions save: kept boundaries, which transforms
     # restricted to boundaries (offload / compress which=boundaries) must see; backward reads

@@ -222,7 +222,7 @@ class TiledForward:
         runs them eagerly. `layer1`: how levels=3 cuts layer1 into regions (chain.region_specs).
         `kernels`: the tiled BatchNorms' on CUDA, triton or torch (memstudy/tiling/norm.py).
         `stream`: the boundaries only tiled regions read lie in host memory (`host_outputs`);
-        `ahead`: their copies run on a side stream, a tile ahead (memstudy/streaming.py)."""
+        `ahead`: their copies run on side streams, a tile ahead (memstudy/streaming.py)."""
         check_levels(levels, "tile:levels")
         check_keep(keep, "tile:keep")
         check_layer1(layer1, levels, "tile:layer1")
