@@ -1,6 +1,6 @@
-"""memstudy/streaming.py and the sweeps' use of it: a host boundary's strips for the next tile are
-copied in while a tile computes, on side streams (one each way) ordered with the kernels by
-events.
+"""memstudy/streaming.py and the sweeps' use of it: with tile:ahead=true a host boundary's strips
+for the next tile are copied in while a tile computes, on side streams (one each way) ordered
+with the kernels by events; a host input's gradient is written as the tiles come.
 
 CPU: the order in which a sweep starts and hands out its tiles' strips, and the traffic
 counters. GPU: each ordering the side streams rely on, made visible by delaying one stream

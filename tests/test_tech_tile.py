@@ -35,7 +35,7 @@ from memstudy.tiling.sweep import run_region
     (["tile:40"], "tile:tiles=40"),
     (["tile:2:rows=64"], "give tiles (2) or rows (64), not both"),
     (["tile:levels=1:stream=true"], "tile:stream=true with tile:levels=1"),
-    (["tile:levels=3:ahead=false"], "tile:ahead=false without tile:stream=true"),
+    (["tile:levels=3:ahead=true"], "tile:ahead=true without tile:stream=true"),
     (["tile", "checkpoint:sqrt"], "checkpoint:sqrt"),
     (["tile", "quantization"], "tile cannot compose with quantization"),
 ])

@@ -155,11 +155,12 @@ class TileOptions:
                 "decoder's kept "
                 "convolution outputs), their strips copied in as tiles need them and their "
                 "gradients added up on the host: device memory for them stays one strip's"})
-    ahead: bool = field(default=True, metadata={
+    ahead: bool = field(default=False, metadata={
         "hash_neutral": True,
         "help": "with stream: copy the next tile's host strips in while a tile computes, and "
                 "written rows out while the next computes, on side streams (one more tile's "
-                "strips on the device); false: the copies on the compute stream, no overlap"})
+                "strips on the device; not yet measured on a GPU, so not the default); false: "
+                "the copies on the compute stream, no overlap"})
     layer1: str = field(default="whole", metadata={
         "choices": LAYER1, "hash_neutral": True,
         "help": "levels 3 and 4, how each tiled residual stage (layer1; layer2 at 4) is cut: "

@@ -16,7 +16,7 @@ block: the leaf outputs inside it, its input and its output), `t`: every leaf ou
 them, both in elements per full-resolution pixel, counted on the meta device (in-place outputs
 left out), so a ResNet-50 or ResNeXt encoder scales the prediction by its own shapes; `e`:
 bytes per element (2 under amp, else 4); `rows + halo`: one strip's rows; `a`, streamed plans
-only, with tile:ahead (the default): the bytes per row a sweep holds beside the computing tile
+only, with tile:ahead=true: the bytes per row a sweep holds beside the computing tile
 because its copies run a tile ahead (the next tile's strips, the previous one's gradient rows
 being written back), counted from the regions' host inputs (TiledForward.fetched_ahead_bytes),
 not fitted. The constants c, ku,
@@ -92,7 +92,7 @@ class Pick:
 
 
 def pick(height: int, width: int, batch: int, budget: int, network, task: str,
-         amp: bool, optim_on_device: bool, ahead: bool = True) -> Pick:
+         amp: bool, optim_on_device: bool, ahead: bool = False) -> Pick:
     """The fastest plan, with its tallest strips, whose predicted peak fits `budget` (bytes,
     CUDA context included) for a padded height x width; ConfigError when none does. `ahead`:
     a streamed plan's copies run a tile ahead (tile:ahead)."""
@@ -167,7 +167,8 @@ def _fetched_ahead_row_bytes(key: tuple, levels: int, keep: str, layer1: str,
                           in_channels=in_channels, classes=classes)
     with torch.device("meta"):
         unet = build_unet(network=network, task=task)
-    tiled = TiledForward(unet, levels, 0, 0, keep, None, layer1, "torch", stream=True)
+    tiled = TiledForward(unet, levels, 0, 0, keep, None, layer1, "torch", stream=True,
+                         ahead=True)
     return tiled.fetched_ahead_bytes(1, 1, element)
 
 

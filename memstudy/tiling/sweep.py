@@ -27,13 +27,15 @@ backward adds their gradient (the `_Stats` formula on the recomputed output) to 
 
 Streaming (`host=True`, tile:stream): the region's output is assembled in host memory
 (pinned on CUDA) instead of on the device, its input strips come from wherever the inputs lie
-(a host boundary's strips for the next tile are copied in while a tile computes), and a host
+(a host boundary's strip is copied in as its tile starts, or with `ahead` while the tile
+before computes), and a host
 input's gradient adds up on the host, a strip's rows at a time. The sweeps compute on
 `Sweep.device` either way, and the same rows are added in the same order, so the values are the
-device path's to the bit. What the device then holds of a region is one strip's working set and
-the next strip's inputs; the copies run on side streams (one each way), ordered with the
-kernels by events (memstudy/streaming.py), and every sweep ends with the compute stream waiting
-for its copies.
+device path's to the bit. What the device then holds of a region is one strip's working set;
+the copies run on the compute stream, which orders them with the kernels, or with `ahead`
+(tile:ahead=true) on side streams (one each way), a tile ahead, ordered with the kernels by
+events (memstudy/streaming.py), the next strip's inputs then on the device too; every sweep
+ends with the compute stream waiting for its copies.
 
 Numerics: tile statistics are merged with Chan's parallel formula in float32 (float64 for a
 float64 model); normalisation (fused with the ReLU after it: memstudy/tiling/norm.py) runs in
@@ -192,7 +194,7 @@ class Sweep:
     out_stats: bool = False  # _Apply also returns the statistics of its output (out_norm's)
     device: torch.device | None = None  # where the tiles compute (None: where the inputs lie)
     host: bool = False  # the output is assembled in host memory (tile:stream)
-    ahead: bool = True  # host copies on side streams, the next tile's started early (tile:ahead)
+    ahead: bool = False  # host copies on side streams, the next tile's started early (tile:ahead)
     input_grads: list = field(init=False)  # per input: the shared buffer, or None
     pending: list = field(init=False)  # per input: Functions yet to add into it
     # per input: the first row of a host buffer that nothing has written yet (None: the buffer
@@ -554,7 +556,7 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
 
 def run_region(region: Region, tiles: list[Tile], inputs: list[torch.Tensor],
                shared: Sequence[Stats] = (), graphs: Any = None,
-               device: torch.device | None = None, host: bool = False, ahead: bool = True
+               device: torch.device | None = None, host: bool = False, ahead: bool = False
                ) -> tuple[torch.Tensor, list[Stats], Stats | None]:
     """The region's output over the whole image, the statistics every norm used, and those of
     the output for `region.out_norm` (None without one). `device`: where the tiles compute

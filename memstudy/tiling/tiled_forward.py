@@ -217,7 +217,7 @@ class TiledForward:
 
     def __init__(self, unet: nn.Module, levels: int = 2, tiles: int = 0, rows: int = 0,
                  keep: str = "conv1", graphs: TileGraphs | None = None, layer1: str = "whole",
-                 kernels: str = "triton", stream: bool = False, ahead: bool = True):
+                 kernels: str = "triton", stream: bool = False, ahead: bool = False):
         """`graphs`: replay the tile bodies as CUDA graphs (memstudy/tiling/graphs.py); None
         runs them eagerly. `layer1`: how levels=3 cuts layer1 into regions (chain.region_specs).
         `kernels`: the tiled BatchNorms' on CUDA, triton or torch (memstudy/tiling/norm.py).
