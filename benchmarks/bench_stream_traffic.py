@@ -19,9 +19,11 @@ target are left out (one read of the 4-byte target forward, one in backward's re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -84,44 +86,28 @@ class Ledger:
             self.moved[(self.region, kind, direction)] += t.numel() * element
 
 
-def instrument(ledger: Ledger, monkey: list) -> None:
-    """Wrap the sweeps' copy points so that the ledger sees each host tensor they touch."""
-    def patch(name, wrapper):
-        monkey.append((name, getattr(sweep_module, name)))
-        setattr(sweep_module, name, wrapper(getattr(sweep_module, name)))
+@contextlib.contextmanager
+def instrumented(ledger: Ledger):
+    """The sweeps' copy points wrapped while inside, so that the ledger sees each host tensor
+    they touch, and the region of every sweep (forward and backward: each goes through
+    tile_strips)."""
+    def wrap(name: str, before):
+        inner = getattr(sweep_module, name)
 
-    def fetch(inner):
-        def counted(t, device, side=True):
-            ledger.count(t, "to device")
-            return inner(t, device, side)
-        return counted
+        def wrapped(*a, **k):
+            before(*a)
+            return inner(*a, **k)
+        return mock.patch.object(sweep_module, name, wrapped)
 
-    def write_rows(inner):
-        def counted(rows, part, side=True):
-            ledger.count(rows, "to host")
-            return inner(rows, part, side)
-        return counted
+    def added_to(full, lo, hi, *_):
+        ledger.count(full[..., lo:hi, :], "to device")
+        ledger.count(full[..., lo:hi, :], "to host")
 
-    def add_rows(inner):
-        def counted(full, lo, hi, part, side=True):
-            rows = full[..., lo:hi, :]
-            ledger.count(rows, "to device")
-            ledger.count(rows, "to host")
-            return inner(full, lo, hi, part, side)
-        return counted
+    full_like, grad_of = sweep_module._full_like, sweep_module.Sweep.input_grad
 
-    def full_like(inner):
-        def marked(part, inputs, sw):
-            out = inner(part, inputs, sw)
-            return ledger.mark(out, 2, "boundary") if sw.host else out
-        return marked
-
-    patch("fetch", fetch)
-    patch("write_rows", write_rows)
-    patch("add_rows", add_rows)
-    patch("_full_like", full_like)
-
-    grad_of = sweep_module.Sweep.input_grad
+    def marked(part, inputs, sw):
+        out = full_like(part, inputs, sw)
+        return ledger.mark(out, 2, "boundary") if sw.host else out
 
     def input_grad(self, i, like):
         made = self.input_grads[i] is None
@@ -129,47 +115,30 @@ def instrument(ledger: Ledger, monkey: list) -> None:
         if made and ledger.known(like):
             ledger.mark(grad, 2, "gradient")
         return grad
-    monkey.append(("Sweep.input_grad", grad_of))
-    sweep_module.Sweep.input_grad = input_grad
 
-    run_region = sweep_module.run_region
+    def named(sweep, *_):
+        ledger.region = sweep.region.name
 
-    def named(region, *a, **k):
-        ledger.region = region.name
-        return run_region(region, *a, **k)
-    monkey.append(("run_region", run_region))
-    sweep_module.run_region = named
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(wrap("fetch", lambda t, *_: ledger.count(t, "to device")))
+        stack.enter_context(wrap("write_rows", lambda rows, *_: ledger.count(rows, "to host")))
+        stack.enter_context(wrap("add_rows", added_to))
+        stack.enter_context(wrap("tile_strips", named))
+        stack.enter_context(mock.patch.object(sweep_module, "_full_like", marked))
+        stack.enter_context(mock.patch.object(sweep_module.Sweep, "input_grad", input_grad))
+        yield
 
 
 def traffic(args: argparse.Namespace, keep: str, layer1: str, rows: int) -> Ledger:
     torch.manual_seed(0)
     unet = build_unet(seed=0).train()
-    tiled = TiledForward(unet, args.levels, 0, rows, keep, None, layer1, "torch", stream=True)
-    unet.forward_padded = tiled
-    ledger, monkey = Ledger(), []
-    instrument(ledger, monkey)
-    # a backward sweep runs under autograd, which calls the Functions, not run_region: the
-    # region then is the one whose Sweep the Function holds
-    backprop = sweep_module.backprop_tiles
-
-    def named_backprop(sw, *a, **k):
-        ledger.region = sw.region.name
-        return backprop(sw, *a, **k)
-    sweep_module.backprop_tiles = named_backprop
-    monkey.append(("backprop_tiles", backprop))
-    import memstudy.tiling.tiled_forward as tf
-    tf.run_region = sweep_module.run_region
-    try:
+    unet.forward_padded = TiledForward(unet, args.levels, 0, rows, keep, None, layer1, "torch",
+                                       stream=True)
+    ledger = Ledger()
+    with instrumented(ledger):
         x = ledger.mark(torch.rand(1, 1, args.height, args.proxy_width,
                                    generator=torch.Generator().manual_seed(1)), 4, "image")
         unet(x).square().mean().backward()
-    finally:
-        for name, original in monkey:
-            if name == "Sweep.input_grad":
-                sweep_module.Sweep.input_grad = original
-            else:
-                setattr(sweep_module, name, original)
-        tf.run_region = sweep_module.run_region
     return ledger
 
 

@@ -4,8 +4,10 @@ device: what tile:stream keeps of a tiled region's boundaries, and a loss's targ
 Trade-off: device memory for PCIe traffic. A tensor that only strip-wise code reads (a tiled
 region's input, a chunked loss's target) need not be whole on the device: each strip is copied
 in as it is needed and each written strip copied out, so the device holds a strip's worth.
-On CUDA the copies run on two side streams per device, one each way, so that they overlap the
-kernels and each other (PCIe carries both directions at once): a strip can be brought in
+Copies run on the current (compute) stream, which orders them with the kernels. Asked to
+(`side=True`, tile:ahead=true), they run on two side streams per device instead, one each way,
+so that they overlap the kernels and each other (PCIe carries both directions at once): a strip
+can be brought in
 (`fetch`) while the strip before it computes, and written rows go out (`write_rows`) while the
 next strip computes. Events order each copy with the kernels that read or write the same
 memory: a fetched strip is read only after its copy is done, a written strip's device memory
@@ -77,19 +79,19 @@ class Fetched:
         return self.tensor
 
 
-def fetch(t: torch.Tensor, device: torch.device | None, side: bool = True,
+def fetch(t: torch.Tensor, device: torch.device | None, side: bool = False,
           after_writes: bool = False) -> Fetched:
-    """Start bringing `t` to `device`. A host tensor bound for a CUDA device is copied on the
-    device's side stream in, into memory allocated in the compute stream's order (the side
-    stream first waits for the kernels enqueued so far, which may still use that memory), and
-    with `after_writes` once every write to the host issued so far is done (rows the caller may
-    have written since the last settle); `side=False` copies on the current stream
-    (tile:ahead=false)."""
+    """Start bringing `t` to `device`, on the current stream. With `side`, a host tensor bound
+    for a CUDA device is copied on the device's side stream in, into memory allocated in the
+    compute stream's order (the side stream first waits for the kernels enqueued so far, which
+    may still use that memory), and with `after_writes` once every write to the host issued so
+    far is done (rows the caller may have written since the last settle)."""
     if device is None or t.device == device:
         return Fetched(t)
-    if device.type != "cuda" or t.device.type != "cpu" or not side:
-        if device.type == "cuda" and t.device.type == "cpu":
-            TRAFFIC.h2d_bytes += t.numel() * t.element_size()
+    streamed = device.type == "cuda" and t.device.type == "cpu"
+    if streamed:
+        TRAFFIC.h2d_bytes += t.numel() * t.element_size()
+    if not (streamed and side):
         return Fetched(t.to(device, non_blocking=True))
     target = torch.empty_like(t, device=device)
     side = _side_stream(device, "in")
@@ -100,30 +102,29 @@ def fetch(t: torch.Tensor, device: torch.device | None, side: bool = True,
         done = torch.cuda.Event()
         done.record(side)
     target.record_stream(side)  # not reused before the copy is done, even if never read
-    TRAFFIC.h2d_bytes += t.numel() * t.element_size()
     return Fetched(target, done)
 
 
-def on_device(t: torch.Tensor, device: torch.device | None, side: bool = True) -> torch.Tensor:
+def on_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     """`t` on `device` (itself where it lies there, or no device is asked for); a copy from
-    pinned host memory is asynchronous (`fetch`), the current stream waiting for it."""
-    return fetch(t, device, side).get()
+    pinned host memory is asynchronous on the current stream."""
+    return fetch(t, device).get()
 
 
-def write_rows(rows: torch.Tensor, part: torch.Tensor, side: bool = True) -> None:
-    """rows.copy_(part): to host `rows` on the side stream once the kernels enqueued so far
-    (those making `part`) are done, `part`'s memory kept from reuse until the copy is; any
-    other pair, or `side=False`, in place on the current stream."""
-    if part.device.type != "cuda" or rows.device.type != "cpu" or not side:
-        if part.device.type == "cuda" and rows.device.type == "cpu":
-            TRAFFIC.d2h_bytes += part.numel() * part.element_size()
+def write_rows(rows: torch.Tensor, part: torch.Tensor, side: bool = False) -> None:
+    """rows.copy_(part), on the current stream. With `side`, a copy to host `rows` runs on the
+    side stream out once the kernels enqueued so far (those making `part`) are done, `part`'s
+    memory kept from reuse until the copy is."""
+    streamed = part.device.type == "cuda" and rows.device.type == "cpu"
+    if streamed:
+        TRAFFIC.d2h_bytes += part.numel() * part.element_size()
+    if not (streamed and side):
         rows.copy_(part, non_blocking=True)
         return
     side = _side_stream(part.device, "out")
     with torch.cuda.stream(side):
         rows.copy_(part, non_blocking=True)
     part.record_stream(side)
-    TRAFFIC.d2h_bytes += part.numel() * part.element_size()
 
 
 def settle(device: torch.device | None) -> None:
@@ -148,10 +149,11 @@ def host_empty(shape, dtype: torch.dtype, device: torch.device | None,
 
 
 def add_rows(full: torch.Tensor, lo: int, hi: int, part: torch.Tensor,
-             side: bool = True) -> None:
+             side: bool = False) -> None:
     """full[..., lo:hi, :] += part, where `full` may be a host tensor and `part` on the device:
     the rows are brought in, added on the device and written back (a strip's worth of device
-    memory; the same additions in the same order as on the device)."""
+    memory; the same additions in the same order as on the device; `side`: the copies on the
+    side streams)."""
     rows = full[..., lo:hi, :]
     if rows.device == part.device:
         rows += part

@@ -106,7 +106,7 @@ def test_a_fetched_strip_is_read_only_after_its_copy_lands():
     side = streaming._side_stream(torch.device("cuda"), "in")
     with torch.cuda.stream(side):
         torch.cuda._sleep(_SLEEP)
-    read = streaming.fetch(host, torch.device("cuda")).get().clone()
+    read = streaming.fetch(host, torch.device("cuda"), side=True).get().clone()
     torch.cuda.current_stream().synchronize()
     streaming.settle(torch.device("cuda"))
     assert torch.equal(read.cpu(), host)
@@ -121,7 +121,7 @@ def test_written_rows_are_the_kernels_values_once_settled():
     part = torch.zeros(2, 1 << 18, device="cuda")
     torch.cuda._sleep(_SLEEP)
     part.fill_(7.0)
-    streaming.write_rows(host[1:3], part)
+    streaming.write_rows(host[1:3], part, side=True)
     del part  # its memory must not be reused before the copy (record_stream)
     torch.zeros(2, 1 << 18, device="cuda").fill_(-1.0)
     streaming.settle(torch.device("cuda"))
@@ -138,8 +138,10 @@ def test_added_rows_are_read_after_the_writes_before_them():
     host = torch.ones(1, 1, 6, 1 << 16).pin_memory()
     with torch.cuda.stream(streaming._side_stream(device, "out")):
         torch.cuda._sleep(_SLEEP)
-    streaming.write_rows(host[..., 0:4, :], torch.full((1, 1, 4, 1 << 16), 3.0, device=device))
-    streaming.add_rows(host, 2, 6, torch.full((1, 1, 4, 1 << 16), 2.0, device=device))
+    streaming.write_rows(host[..., 0:4, :], torch.full((1, 1, 4, 1 << 16), 3.0, device=device),
+                         side=True)
+    streaming.add_rows(host, 2, 6, torch.full((1, 1, 4, 1 << 16), 2.0, device=device),
+                       side=True)
     streaming.settle(device)
     torch.cuda.current_stream().synchronize()
     rows = host[0, 0, :, 0].tolist()

@@ -143,7 +143,7 @@ def fetch_strips(region: Region, tile: Tile, inputs: Sequence[torch.Tensor],
 def _fetch_rows(x: torch.Tensor, lo: int, hi: int, device: torch.device | None,
                 side: bool) -> Fetched:
     if x.device.type == "cpu" and device is not None and device.type == "cuda" and side:
-        return fetch(x[..., lo:hi, :], device)
+        return fetch(x[..., lo:hi, :], device, side=True)
 
     def arrived() -> torch.Tensor:
         ROWS_IN.await_rows(x, lo, hi)
@@ -163,11 +163,11 @@ def tile_strips(sweep: "Sweep", inputs: Sequence[torch.Tensor],
         rows = [] if seed is None else [seed.fetch_rows(tile, sweep)]
         return fetch_strips(sweep.region, tile, inputs, sweep.device, sweep.ahead) + rows
 
-    ahead = started(tiles[0]) if tiles else []
+    coming = started(tiles[0]) if tiles else []
     for i, tile in enumerate(tiles):
-        got = [f.get() for f in (ahead if sweep.ahead or i == 0 else started(tile))]
+        got = [f.get() for f in (coming if sweep.ahead or i == 0 else started(tile))]
         if i + 1 < len(tiles) and sweep.ahead:
-            ahead = started(tiles[i + 1])
+            coming = started(tiles[i + 1])
         if seed is None:
             yield tile, got, None
         else:
