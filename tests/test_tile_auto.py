@@ -218,6 +218,24 @@ def test_the_run_tiles_with_the_pick_spelled_out(size, budget, monkeypatch):
     assert any(t.startswith("tile:tiles=auto:") for t in plan.applied())  # auto's own hash
 
 
+@pytest.mark.parametrize("size, budget, streams", [(8192, 8, False), (16384, 8, True)])
+def test_auto_runs_a_tile_ahead_only_where_its_pick_streams(size, budget, streams,
+                                                            monkeypatch):
+    """tile:auto:ahead=true at a size whose pick streams nothing (8192 px under 8 GiB: levels=3
+    on the device) plans and runs without ahead, not refused as tile:ahead without stream is;
+    where the pick streams, with it, at the lower strips that count what it holds."""
+    from memstudy import image_sizes
+    from memstudy.techniques.tile import concrete
+
+    monkeypatch.setattr(image_sizes, "host_memory_bytes", lambda: 128 * GiB)
+    plan = cuda_plan(SET.replace("auto", "auto:ahead=true"), size, f"{budget}GiB")
+    tiled = concrete(plan.chosen["tile"], plan)
+    assert (tiled.stream, tiled.ahead) == (streams, streams)
+    chosen = auto.pick(size, size, 1, budget * GiB, ModelConfig(), "enhance", True, True,
+                       ahead=True)
+    assert tiled.rows == chosen.rows
+
+
 def test_holding_the_last_boundary_plans_as_without_it():
     """offload:hold=1 keeps the tensor the backward brings back first: tile:auto plans the same
     strips with it, and keeps it in the run's offload options (measured peak no higher:

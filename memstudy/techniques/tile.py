@@ -87,11 +87,13 @@ def resolved(opts: Options) -> Options:
 
 def concrete(opts: Options, plan: Plan) -> Options:
     """The options a run tiles with: tile:auto's pick (memstudy/tiling/auto.py) spelled out,
-    any other options as given."""
+    any other options as given. tile:auto:ahead=true asks for a tile ahead where the pick
+    streams; a pick that streams nothing has no host copies to run ahead."""
     if opts.tiles != AUTO:
         return opts
     return replace(opts, tiles=0, rows=(chosen := auto_pick(plan)).rows, levels=chosen.levels,
-                   keep=chosen.keep, layer1=chosen.layer1, stream=chosen.stream)
+                   keep=chosen.keep, layer1=chosen.layer1, stream=chosen.stream,
+                   ahead=opts.ahead and chosen.stream)
 
 
 def auto_pick(plan: Plan):
@@ -162,7 +164,7 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError("tile:stream=true with tile:graphs=true: a graphed tile body reads "
                           "its strips from fixed device buffers, which host boundaries do not "
                           "fill; drop one of the two")
-    if opts.ahead and not opts.stream and opts.tiles != AUTO:
+    if opts.ahead and not opts.stream:
         raise ConfigError("tile:ahead=true without tile:stream=true: ahead says how streamed "
                           "boundaries are copied, and nothing is streamed; drop ahead=true or "
                           "add stream=true")
