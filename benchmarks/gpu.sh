@@ -3,7 +3,7 @@
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
 # then are packed into one archive, $OUT/results.tgz.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-ahead] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [host-profile] [host-steps] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-ahead] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-2gib] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [host-profile] [host-steps] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -124,12 +124,15 @@ for item in $STEPS; do
             done ;;
         # tile:auto (bench_ladder.AUTO_SET): the stream GPU tests but the 16384 px one, then 4188 px
         # under 4 GiB beside the tuned step, 4188 px under 2 GiB (with offload_optim), and
-        # AUTO_SIZES under 8 GiB; tile-auto-large: the 16384 px GPU test, AUTO_LARGE_SIZES
-        tile-auto) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_tile_stream_gpu.py -k "not 16384" 2>&1 | tee "$RES/tile-stream-tests.log"
-            set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
-            $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-4188-4gib" --size 4188 --budget 4GiB --steps 6 --no-float32 --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto.log"
+        # AUTO_SIZES under 8 GiB; tile-auto-2gib: only the 2 GiB row; tile-auto-large: the
+        # 16384 px GPU test, AUTO_LARGE_SIZES
+        tile-auto|tile-auto-2gib) set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")
+            if [ "$step" = tile-auto ]; then
+                $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_tile_stream_gpu.py -k "not 16384" 2>&1 | tee "$RES/tile-stream-tests.log"
+                $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-4188-4gib" --size 4188 --budget 4GiB --steps 6 --no-float32 --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto.log"
+            fi
             $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-4188-2gib" --size 4188 --budget 2GiB --steps 4 --no-float32 --no-references --tiled-set "$set,offload_optim" 2>&1 | tee -a "$RES/tile-auto.log"
-            for size in ${AUTO_SIZES:-4188 8192}; do
+            [ "$step" = tile-auto ] && for size in ${AUTO_SIZES:-4188 8192}; do
                 $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$set" 2>&1 | tee -a "$RES/tile-auto.log"
             done ;;
         # only AUTO_SIZES (default 8192) under 8 GiB, no tests, no 4188 px rows; AUTO_SET_NAME

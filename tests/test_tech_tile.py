@@ -59,13 +59,19 @@ TILE = "tile:tiles=0:rows=0:levels=2:keep=conv1:graphs=False:graph_limit=256:gra
     ("tile:norm=auto:layer1=whole", TILE, "481a4b32e1d89b18"),  # the defaults: left out
     ("tile:norm=torch", TILE + ":norm=torch", "eed3052961b507ee"),
     ("tile:stream=false", TILE, "481a4b32e1d89b18"),  # stream came later: its default left out
-    ("tile:stream=true", TILE + ":stream=True", "1bb60e9b01b1eafe"),
+    # ahead came later and its default changed since: its value then (false, the copies on
+    # the compute stream) left out; true (now the default where streamed) written
+    ("tile:stream=true:ahead=false", TILE + ":stream=True", "1bb60e9b01b1eafe"),
+    ("tile:stream=true", TILE + ":stream=True:ahead=True", "5f966bfb038a60bc"),
+    ("tile:stream=true:ahead=true", TILE + ":stream=True:ahead=True", "5f966bfb038a60bc"),
+    ("tile:auto", TILE.replace("tiles=0", "tiles=auto") + ":ahead=True", "89195f03dc90889a"),
     ("tile:levels=3:layer1=blocks:norm=triton",
      TILE.replace("levels=2", "levels=3") + ":norm=triton:layer1=blocks", "679d056f54a0d8ca"),
 ])
 def test_canonical_form_and_hash_are_pinned(spec, form, digest):
-    """Tile runs are recorded under this form and hash (4188 px, batch 1, CUDA). norm and
-    layer1 came after runs were recorded (hash_neutral): at their defaults they are left out,
+    """Tile runs are recorded under this form and hash (4188 px, batch 1, CUDA). norm, layer1,
+    stream and ahead came after runs were recorded (hash_neutral): at the values those runs had
+    they are left out,
     so those runs keep their hashes; set otherwise they are written (another run). A change that
     alters these makes every database rerun its tile runs: raise config.HASH_SCHEMA on purpose
     and renew the values."""

@@ -92,9 +92,9 @@ def test_other_networks_peaks_are_predicted_within_3_percent_or_above(run):
 
 
 def pick(side: int, budget_gib: float, encoder: str = "resnet34", optim_on_device=True,
-         batch: int = 1):
+         batch: int = 1, ahead: bool = True):  # ahead: tile:ahead, true by default
     return auto.pick(side, side, batch, int(budget_gib * GiB), ModelConfig(encoder=encoder),
-                     "enhance", True, optim_on_device)
+                     "enhance", True, optim_on_device, ahead)
 
 
 def test_the_fastest_plan_that_fits_with_its_tallest_strips():
@@ -122,11 +122,11 @@ def test_the_fastest_plan_that_fits_with_its_tallest_strips():
 
 @pytest.mark.parametrize("side, budget, optim_on_device, plan, rows", [
     (4192, 4, True, "levels2", 1400),          # 4188 px padded: 3 strips
-    (4192, 2, False, "levels4-stream", 848),   # with offload_optim: 5 strips
+    (4192, 2, False, "levels4-stream", 704),   # with offload_optim: 6 strips
     (4192, 8, True, "levels2", 4192),          # the whole image in one strip
     (8192, 8, True, "levels3", 1640),          # 5 strips (levels2's would be under MIN_ROWS)
-    (12288, 8, True, "levels4-stream", 1536),  # 8 strips
-    (16384, 8, True, "levels4-stream", 864),   # 19 strips
+    (12288, 8, True, "levels4-stream", 1376),  # 9 strips
+    (16384, 8, True, "levels4-stream", 752),   # 22 strips
 ])
 def test_the_picks_for_the_studys_sizes_and_budgets_are_pinned(side, budget, optim_on_device,
                                                                 plan, rows):
@@ -143,8 +143,8 @@ def test_a_streamed_plan_counts_what_its_copies_a_tile_ahead_hold():
     levels=4 each layer1 block's second region: inputs a<j> and p<j> (64 channels at 1/4 res,
     bf16: 64 / 16 * 2 = 8 bytes per strip row and image column each, twice: strip and
     gradient) and output p<j+1> (8): 40 bytes. The pick adds it for every strip row, so its
-    strips are lower than without it (the default, ahead=false, adds nothing): 752 rows at
-    16384 px, 1376 at 12288, 704 at 4188 px under 2 GiB."""
+    strips are lower than with tile:ahead=false, which adds nothing: 752 rows at 16384 px
+    against 864, 1376 at 12288 against 1536, 704 at 4188 px under 2 GiB against 848."""
     from memstudy.models import build_unet
     from memstudy.tiling.tiled_forward import TiledForward
 
@@ -158,13 +158,10 @@ def test_a_streamed_plan_counts_what_its_copies_a_tile_ahead_hold():
     assert tiled(True).fetched_ahead_bytes(16384, 2, 2) == 2 * 16384 * 40
     assert tiled(False).fetched_ahead_bytes(16384, 1, 2) == 0
     assert tiled(True, ahead=False).fetched_ahead_bytes(16384, 1, 2) == 0
-    def ahead_pick(side: int, budget_gib: int, optim_on_device: bool = True) -> auto.Pick:
-        return auto.pick(side, side, 1, budget_gib * GiB, ModelConfig(), "enhance", True,
-                         optim_on_device, True)
-
-    assert [ahead_pick(16384, 8).rows, ahead_pick(12288, 8).rows,
-            ahead_pick(4192, 2, False).rows] == [752, 1376, 704]
-    chosen = ahead_pick(16384, 8)
+    for ahead, rows in ((True, [752, 1376, 704]), (False, [864, 1536, 848])):
+        assert [pick(16384, 8, ahead=ahead).rows, pick(12288, 8, ahead=ahead).rows,
+                pick(4192, 2, optim_on_device=False, ahead=ahead).rows] == rows
+    chosen = pick(16384, 8)
     halo = auto.min_tile_rows(4, "conv1", "convs", "resnet34")
     shapes = auto._Shapes.of(("resnet34", tuple(DEFAULT_DECODER_CHANNELS), 1, 1, "enhance"))
 
@@ -176,7 +173,7 @@ def test_a_streamed_plan_counts_what_its_copies_a_tile_ahead_hold():
     assert chosen.predicted_bytes == int(predicted(chosen.rows, True))
     # 864-row strips (19), the pick with the copies on the compute stream, fit only without
     assert predicted(864, False) <= chosen.available_bytes < predicted(864, True)
-    unhurried = pick(16384, 8)  # tile:ahead=false, the default
+    unhurried = pick(16384, 8, ahead=False)
     assert (unhurried.rows, unhurried.predicted_bytes) == (864, int(predicted(864, False)))
 
 
@@ -231,9 +228,7 @@ def test_auto_runs_a_tile_ahead_only_where_its_pick_streams(size, budget, stream
     plan = cuda_plan(SET.replace("auto", "auto:ahead=true"), size, f"{budget}GiB")
     tiled = concrete(plan.chosen["tile"], plan)
     assert (tiled.stream, tiled.ahead) == (streams, streams)
-    chosen = auto.pick(size, size, 1, budget * GiB, ModelConfig(), "enhance", True, True,
-                       ahead=True)
-    assert tiled.rows == chosen.rows
+    assert tiled.rows == pick(size, budget).rows
 
 
 def test_holding_the_last_boundary_plans_as_without_it():

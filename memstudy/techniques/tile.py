@@ -87,8 +87,8 @@ def resolved(opts: Options) -> Options:
 
 def concrete(opts: Options, plan: Plan) -> Options:
     """The options a run tiles with: tile:auto's pick (memstudy/tiling/auto.py) spelled out,
-    any other options as given. tile:auto:ahead=true asks for a tile ahead where the pick
-    streams; a pick that streams nothing has no host copies to run ahead."""
+    any other options as given. tile:auto copies a tile ahead (tile:ahead, true by default)
+    where its pick streams; a pick that streams nothing has no host copies to run ahead."""
     if opts.tiles != AUTO:
         return opts
     return replace(opts, tiles=0, rows=(chosen := auto_pick(plan)).rows, levels=chosen.levels,

@@ -92,10 +92,10 @@ class Pick:
 
 
 def pick(height: int, width: int, batch: int, budget: int, network, task: str,
-         amp: bool, optim_on_device: bool, ahead: bool = False) -> Pick:
+         amp: bool, optim_on_device: bool, ahead: bool) -> Pick:
     """The fastest plan, with its tallest strips, whose predicted peak fits `budget` (bytes,
     CUDA context included) for a padded height x width; ConfigError when none does. `ahead`:
-    a streamed plan's copies run a tile ahead (tile:ahead)."""
+    a streamed plan's copies run a tile ahead (tile:ahead, true by default)."""
     key = (network.encoder, tuple(network.decoder_channels), network.in_channels,
            network.classes, task)  # a hashable ModelConfig: the picks are cached
     return _pick(height, width, batch, budget, key, amp, optim_on_device, ahead)
