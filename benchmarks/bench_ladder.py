@@ -75,9 +75,6 @@ AUTO_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,tile:auto,"
 # tile:auto with the top region's input held on the device (offload:hold=1): about 20 ms of
 # copies less a step at 4188 px under 4 GiB, same plan (benchmarks/results/h200/hold-4188-4gib/)
 AUTO_HOLD_SET = AUTO_SET.replace("prefetch=1,", "prefetch=1:hold=1,")
-# tile:auto with a streamed plan's host copies on side streams, a tile ahead (tile:ahead=true),
-# and the lower strips that count what those copies hold
-AUTO_AHEAD_SET = AUTO_SET.replace("tile:auto,", "tile:auto:ahead=true,")
 # With 8 GiB at 4188 px nothing needs to leave the device: the 4 GiB set without offload's copies
 RESIDENT_SET = "amp:bf16,checkpoint,tile:4:keep=all,allocator:expandable_segments=true"
 # The 4 GiB set's extra matrix work is checkpoint recomputing the untiled levels (1.33x of its
