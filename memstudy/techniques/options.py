@@ -173,6 +173,10 @@ class TileOptions:
     def __post_init__(self) -> None:  # whatever the run: refused before torch loads
         if self.ahead is None:  # the default: a tile ahead wherever boundaries may stream
             self.ahead = self.stream or self.tiles == AUTO
+        if self.ahead and not (self.stream or self.tiles == AUTO):
+            raise ConfigError("tile:ahead=true without tile:stream=true: ahead says how streamed "
+                              "boundaries are copied, and nothing is streamed; drop ahead=true "
+                              "or add stream=true")
         if self.tiles == AUTO:
             self._check_auto()
             return

@@ -164,10 +164,6 @@ def check(opts: Options, plan: Plan) -> None:
         raise ConfigError("tile:stream=true with tile:graphs=true: a graphed tile body reads "
                           "its strips from fixed device buffers, which host boundaries do not "
                           "fill; drop one of the two")
-    if opts.ahead and not opts.stream:
-        raise ConfigError("tile:ahead=true without tile:stream=true: ahead says how streamed "
-                          "boundaries are copied, and nothing is streamed; drop ahead=true or "
-                          "add stream=true")
     if opts.stream and opts.levels < 2:
         raise ConfigError("tile:stream=true with tile:levels=1: at levels=1 no boundary lies "
                           "between tiled regions and the stem reads the whole image; use "
