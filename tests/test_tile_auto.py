@@ -272,6 +272,19 @@ def test_a_run_records_its_techniques_notes():
     assert "auto" not in rec.env["notes"]["tile"]
 
 
+@pytest.mark.parametrize("spec, ahead", [("tile:2:stream=true", True),
+                                         ("tile:2:stream=true:ahead=false", False),
+                                         ("tile:2", False)])
+def test_a_streamed_run_copies_a_tile_ahead_unless_told_not_to(spec, ahead):
+    """tile:ahead's default is true where boundaries stream: the run's notes say what its
+    copies did (on the CPU too, where the look-ahead still orders the strips)."""
+    from memstudy.runner import execute
+
+    rec = execute(small_config(192, techniques=[spec]), None)
+    assert rec.status == "ok", rec.error
+    assert rec.env["notes"]["tile"]["ahead"] is ahead
+
+
 def test_memstudy_run_says_what_auto_picked():
     from memstudy.cli import summarize
     from memstudy.store import RunRecord
