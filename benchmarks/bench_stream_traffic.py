@@ -69,6 +69,9 @@ class Ledger:
         self.host: dict[int, tuple[int, str]] = {}  # storage data_ptr -> (bytes/element, kind)
         self.kept: list[torch.Tensor] = []  # the marked tensors, alive: no address reused
         self.moved: dict[tuple[str, str, str], float] = defaultdict(float)
+        # of `moved` to the device, per region: a host input gradient's rows read back to be
+        # added to (add_rows), read as the tile's gradient is ready, not a tile ahead
+        self.added: dict[str, float] = defaultdict(float)
         self.region = "?"
 
     def mark(self, t: torch.Tensor, element: int, kind: str) -> torch.Tensor:
@@ -85,6 +88,13 @@ class Ledger:
             element, kind = found
             self.moved[(self.region, kind, direction)] += t.numel() * element
 
+    def count_added(self, t: torch.Tensor) -> None:
+        """Rows read back to be added to, then written out again."""
+        before = sum(self.moved.values())
+        self.count(t, "to device")
+        self.added[self.region] += sum(self.moved.values()) - before
+        self.count(t, "to host")
+
 
 @contextlib.contextmanager
 def instrumented(ledger: Ledger):
@@ -100,8 +110,7 @@ def instrumented(ledger: Ledger):
         return mock.patch.object(sweep_module, name, wrapped)
 
     def added_to(full, lo, hi, *_):
-        ledger.count(full[..., lo:hi, :], "to device")
-        ledger.count(full[..., lo:hi, :], "to host")
+        ledger.count_added(full[..., lo:hi, :])
 
     full_like, grad_of = sweep_module._full_like, sweep_module.Sweep.input_grad
 
@@ -159,9 +168,12 @@ def page(args: argparse.Namespace) -> str:
     plans = [(args.keep, args.layer1, args.rows), *args.variants]
     totals = []
     for keep, layer1, rows in plans:
-        regions = by_region(args, traffic(args, keep, layer1, rows))
+        ledger = traffic(args, keep, layer1, rows)
+        regions = by_region(args, ledger)
         totals.append((keep, layer1, rows, regions,
                        sum(v[0] for v in regions.values()), sum(v[1] for v in regions.values())))
+        if len(totals) == 1:
+            added = sum(ledger.added.values()) * args.width / args.proxy_width
     lines = [f"# What tile:stream copies in one training step at {args.height} x {args.width} px",
              "",
              f"ResNet-34 U-Net, batch 1, `tile:rows=R:levels={args.levels}:keep=K:layer1=L:"
@@ -180,7 +192,11 @@ def page(args: argparse.Namespace) -> str:
               "| region | to device GiB | to host GiB |", "|---|---|---|"]
     for region, (to_dev, to_host) in regions.items():
         lines.append(f"| {region} | {to_dev / GIB:.2f} | {to_host / GIB:.2f} |")
-    lines += [f"| **all** | **{h2d / GIB:.2f}** | **{d2h / GIB:.2f}** |", ""]
+    lines += [f"| **all** | **{h2d / GIB:.2f}** | **{d2h / GIB:.2f}** |", "",
+              f"Of the {h2d / GIB:.1f} GiB to the device, {added / GIB:.1f} GiB ({seconds(added)} s) "
+              "are a host input gradient's rows read back to be added to (add_rows): read as "
+              "the tile's gradient is ready, in the compute stream's order, not a tile ahead "
+              "(tile:ahead brings the strips and output-gradient rows ahead, the rest).", ""]
     return "\n".join(lines)
 
 

@@ -38,6 +38,17 @@ def test_every_host_boundary_is_written_out_once_and_the_image_only_read():
     assert _moved(ledger, "gradient", "to host") >= tiled.host_bytes(256, 256, 1, 2)
 
 
+def test_the_rows_read_back_to_be_added_to_are_gradient_reads_each_written_back():
+    """add_rows reads a host input gradient's rows and writes them back: the bytes it reads are
+    some of the gradient's bytes to the device (the rest are output-gradient rows fetched),
+    and the gradient's bytes to the host are at least as many."""
+    ledger = bench.traffic(_args(), "conv1", "convs", 64)
+    added = sum(ledger.added.values())
+    assert 0 < added < _moved(ledger, "gradient", "to device")
+    assert added <= _moved(ledger, "gradient", "to host")
+    assert "are a host input gradient's rows read back to be added to" in bench.page(_args())
+
+
 def test_the_page_scales_the_proxy_by_the_width_and_lists_each_plan():
     narrow = bench.parse_args(["--height", "256", "--width", "512", "--proxy-width", "64",
                                "--rows", "64", "--variants", "conv1:blocks:64"])
