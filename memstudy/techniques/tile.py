@@ -276,7 +276,7 @@ def apply(opts: Options, build: Build) -> None:
     kernels = resolve_impl(opts.norm, build.device, "tile:norm")
     notes = build.notes["tile"] = {"levels": opts.levels, "tiles": opts.tiles, "rows": opts.rows,
                                    "keep": opts.keep, "layer1": opts.layer1, "norm": kernels,
-                                   "stream": opts.stream, "ahead": opts.stream and opts.ahead,
+                                   "stream": opts.stream, "ahead": opts.ahead,
                                    "halo_rows": min_tile_rows(opts.levels, opts.keep, opts.layer1,
                                                               build.config.model.encoder)}
     if picked is not None:
