@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run: GPU tests, then the benchmarks named in $1
 # (default: all single-GPU ones). Logs and result files go to $OUT/results (default ./gpu-out),
-# then are packed into one archive, $OUT/results.tgz.
+# packed into one archive, $OUT/results.tgz, after every step (so a run stopped from outside
+# keeps the steps it finished), the folder removed at the end.
 #
 #   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-ahead] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-2gib] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [host-profile] [host-steps] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
@@ -269,6 +270,7 @@ for item in $STEPS; do
         compress-quality) $PY benchmarks/bench_compress.py --part quality --out "$RES/compress" ${COMPRESSQUALITY_ARGS:-} 2>&1 | tee -a "$RES/compress.log" ;;
         *) echo "unknown step $step" ;;
     esac
+    tar czf "$OUT/results.tgz.part" -C "$OUT" results && mv "$OUT/results.tgz.part" "$OUT/results.tgz"
 done
-tar czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$RES"
+[ -f "$OUT/results.tgz" ] && rm -rf "$RES"
 echo "=== done $(date +%T)"
