@@ -82,17 +82,18 @@ class Ledger:
     def known(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self.host
 
-    def count(self, t: torch.Tensor, direction: str) -> None:
+    def count(self, t: torch.Tensor, direction: str) -> int:
+        """Counts `t` if it is a host tensor of the step; the bytes counted (0 if not)."""
         found = self.host.get(t.untyped_storage().data_ptr())
-        if found is not None:
-            element, kind = found
-            self.moved[(self.region, kind, direction)] += t.numel() * element
+        if found is None:
+            return 0
+        element, kind = found
+        self.moved[(self.region, kind, direction)] += t.numel() * element
+        return t.numel() * element
 
     def count_added(self, t: torch.Tensor) -> None:
         """Rows read back to be added to, then written out again."""
-        before = sum(self.moved.values())
-        self.count(t, "to device")
-        self.added[self.region] += sum(self.moved.values()) - before
+        self.added[self.region] += self.count(t, "to device")
         self.count(t, "to host")
 
 
@@ -171,9 +172,8 @@ def page(args: argparse.Namespace) -> str:
         ledger = traffic(args, keep, layer1, rows)
         regions = by_region(args, ledger)
         totals.append((keep, layer1, rows, regions,
-                       sum(v[0] for v in regions.values()), sum(v[1] for v in regions.values())))
-        if len(totals) == 1:
-            added = sum(ledger.added.values()) * args.width / args.proxy_width
+                       sum(v[0] for v in regions.values()), sum(v[1] for v in regions.values()),
+                       sum(ledger.added.values()) * args.width / args.proxy_width))
     lines = [f"# What tile:stream copies in one training step at {args.height} x {args.width} px",
              "",
              f"ResNet-34 U-Net, batch 1, `tile:rows=R:levels={args.levels}:keep=K:layer1=L:"
@@ -184,10 +184,10 @@ def page(args: argparse.Namespace) -> str:
              "loss's reads of the target are not counted.", "",
              "| keep | layer1 | strip rows | to device GiB | to host GiB | s to the device | "
              "s to the host |", "|---|---|---|---|---|---|---|"]
-    for keep, layer1, rows, _regions, h2d, d2h in totals:
+    for keep, layer1, rows, _regions, h2d, d2h, _added in totals:
         lines.append(f"| {keep} | {layer1} | {rows} | {h2d / GIB:.1f} | {d2h / GIB:.1f} | "
                      f"{seconds(h2d)} | {seconds(d2h)} |")
-    keep, layer1, rows, regions, h2d, d2h = totals[0]
+    keep, layer1, rows, regions, h2d, d2h, added = totals[0]
     lines += ["", f"By region, `keep={keep}:layer1={layer1}`, {rows}-row strips:", "",
               "| region | to device GiB | to host GiB |", "|---|---|---|"]
     for region, (to_dev, to_host) in regions.items():
