@@ -4,7 +4,7 @@
 # packed into one archive, $OUT/results.tgz, after every step (so a run stopped from outside
 # keeps the steps it finished), the folder removed at the end.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-ahead] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-2gib] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [host-profile] [host-steps] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-ahead] [tile-stream-layer1] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-2gib] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [host-profile] [host-steps] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
@@ -116,6 +116,12 @@ for item in $STEPS; do
             plain=${stream/stream=true/stream=true:ahead=false}
             $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-ahead-$size" --size "$size" --budget 8GiB --steps 6 --no-float32 --no-references --tiled-set "$plain;$stream;$plain;$stream" 2>&1 | tee -a "$RES/tile-stream-ahead.log"
             $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_streaming.py tests/test_tile_stream_gpu.py -k "not 16384" 2>&1 | tee "$RES/stream-ahead-tests.log" ;;
+        # how the streamed levels' residual stages are cut (tile:layer1): STREAM_SET as it is
+        # (convs), with layer1=blocks and with layer1=whole, in turn in one run under 8 GiB at
+        # LAYER1_SIZE (default 8192), each profiled step's kernels and copies attributed
+        tile-stream-layer1) size=${LAYER1_SIZE:-8192}; mkdir -p "$RES/stream-layer1-$size"
+            stream=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.STREAM_SET)")
+            MEMSTUDY_PROFILE_TABLE="$RES/stream-layer1-$size/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-layer1-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$stream;${stream/layer1=convs/layer1=blocks};${stream/layer1=convs/layer1=whole}" 2>&1 | tee -a "$RES/tile-stream-layer1.log" ;;
         # 4188 px under 2 GiB with the streaming set, tile:16 and tile:32 (bench_ladder.STREAM_2GIB_SETS)
         tile-stream-2gib) sets=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.STREAM_2GIB_SETS)")
             MEMSTUDY_ALLOC_TRACE="$RES/stream-4188-2gib/releases.md" $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-4188-2gib" --size 4188 --budget 2GiB --steps 6 --no-float32 --no-references --tiled-set "$sets" 2>&1 | tee -a "$RES/tile-stream.log" ;;
