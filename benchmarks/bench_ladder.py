@@ -58,16 +58,30 @@ STREAM_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
 # host memory, so the device holds the parameters, the untiled levels and one strip's work
 STREAM_2GIB_SETS = ";".join(
     STREAM_SET.replace("tile:16:", f"tile:{strips}:") + ",offload_optim" for strips in (16, 32))
-# tile:auto's calibration (memstudy/tiling/auto.py): the three plans it chooses among, each at
-# two strip heights, run unconstrained at two sizes; their allocator peaks fit its model
+# tile:auto's calibration (memstudy/tiling/auto.py): the plans it chooses among (and candidate
+# ones), each at two strip heights, run unconstrained at two sizes; their allocator peaks fit its
+# model. Streamed plans are calibrated with their copies on the compute stream (ahead=false):
+# tile:auto adds what copying a tile ahead holds as counted, not fitted
 AUTO_PLANS = {
     "levels2": "tile:rows={rows}:keep=all",
     "levels3": "tile:rows={rows}:levels=3:keep=conv1:layer1=convs",
-    "levels4-stream": "tile:rows={rows}:levels=4:keep=conv1:layer1=convs:stream=true",
+    "levels4-stream": "tile:rows={rows}:levels=4:keep=conv1:layer1=convs:stream=true:ahead=false",
+    "levels4-stream-blocks":
+        "tile:rows={rows}:levels=4:keep=conv1:layer1=blocks:stream=true:ahead=false",
+    "levels4-stream-whole":
+        "tile:rows={rows}:levels=4:keep=conv1:layer1=whole:stream=true:ahead=false",
 }
-AUTO_CALIBRATION_SETS = ";".join(
-    f"amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,{tile.format(rows=rows)},"
-    "allocator:expandable_segments=true" for tile in AUTO_PLANS.values() for rows in (256, 1024))
+
+
+def calibration_sets(plans=tuple(AUTO_PLANS)) -> str:
+    """The calibration runs of the named plans, ';'-joined: each at 256 and 1024 rows."""
+    return ";".join(
+        f"amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
+        f"{AUTO_PLANS[plan].format(rows=rows)},allocator:expandable_segments=true"
+        for plan in plans for rows in (256, 1024))
+
+
+AUTO_CALIBRATION_SETS = calibration_sets()
 # One set for every size (docs/techniques/tile.md, "tile:auto"): tile's levels, strips and
 # streaming picked from the budget and the image; under 2 GiB Adam's moments go to the host
 AUTO_SET = ("amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,tile:auto,"

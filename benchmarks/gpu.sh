@@ -116,17 +116,22 @@ for item in $STEPS; do
             plain=${stream/stream=true/stream=true:ahead=false}
             $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-ahead-$size" --size "$size" --budget 8GiB --steps 6 --no-float32 --no-references --tiled-set "$plain;$stream;$plain;$stream" 2>&1 | tee -a "$RES/tile-stream-ahead.log"
             $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_streaming.py tests/test_tile_stream_gpu.py -k "not 16384" 2>&1 | tee "$RES/stream-ahead-tests.log" ;;
-        # how the streamed levels' residual stages are cut (tile:layer1): STREAM_SET as it is
-        # (convs), with layer1=blocks and with layer1=whole, in turn in one run under 8 GiB at
-        # LAYER1_SIZE (default 8192), each profiled step's kernels and copies attributed
+        # how the streamed levels' residual stages are cut (tile:layer1): STREAM_SET with each of
+        # LAYER1_CUTS (default "convs blocks whole"; STREAM_SET's own is convs) in turn in one run
+        # under 8 GiB at LAYER1_SIZE (default 8192); LAYER1_PROFILE=1 attributes each profiled
+        # step's kernels and copies (kernels.txt; about 100 s more a run at 8192 px)
         tile-stream-layer1) size=${LAYER1_SIZE:-8192}; mkdir -p "$RES/stream-layer1-$size"
             stream=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.STREAM_SET)")
-            MEMSTUDY_PROFILE_TABLE="$RES/stream-layer1-$size/kernels.txt" $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-layer1-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$stream;${stream/layer1=convs/layer1=blocks};${stream/layer1=convs/layer1=whole}" 2>&1 | tee -a "$RES/tile-stream-layer1.log" ;;
+            sets=""; for cut in ${LAYER1_CUTS:-convs blocks whole}; do sets="$sets${sets:+;}${stream/layer1=convs/layer1=$cut}"; done
+            [ "${LAYER1_PROFILE:-0}" = 1 ] && export MEMSTUDY_PROFILE_TABLE="$RES/stream-layer1-$size/kernels.txt"
+            $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-layer1-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$sets" 2>&1 | tee -a "$RES/tile-stream-layer1.log"
+            unset MEMSTUDY_PROFILE_TABLE ;;
         # 4188 px under 2 GiB with the streaming set, tile:16 and tile:32 (bench_ladder.STREAM_2GIB_SETS)
         tile-stream-2gib) sets=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.STREAM_2GIB_SETS)")
             MEMSTUDY_ALLOC_TRACE="$RES/stream-4188-2gib/releases.md" $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-4188-2gib" --size 4188 --budget 2GiB --steps 6 --no-float32 --no-references --tiled-set "$sets" 2>&1 | tee -a "$RES/tile-stream.log" ;;
-        # tile:auto's calibration points (bench_ladder.AUTO_CALIBRATION_SETS), unconstrained
-        tile-auto-calibrate) sets=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_CALIBRATION_SETS)")
+        # tile:auto's calibration points (bench_ladder.calibration_sets), unconstrained, of the
+        # plans AUTO_CALIBRATION_PLANS names (default: all of bench_ladder.AUTO_PLANS)
+        tile-auto-calibrate) sets=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.calibration_sets(*[p.split() for p in ['${AUTO_CALIBRATION_PLANS:-}'] if p]))") || continue
             for size in ${CALIBRATION_SIZES:-2048 4096}; do
                 $PY benchmarks/bench_ladder.py --part native --out "$RES/auto-calibration-$size" --size "$size" --budget 100GiB --steps 4 --no-float32 --no-references --tiled-set "$sets" 2>&1 | tee -a "$RES/tile-auto-calibrate.log"
             done ;;
