@@ -181,3 +181,80 @@ def test_rows_below_the_last_strip_with_a_gradient_are_zero_when_the_sum_is_hand
     sw.pending[0] = 1
     sw.add_input_grad(0, torch.zeros(1, 1, 6, 1), 0, 3, torch.ones(1, 1, 3, 1))
     assert torch.equal(sw.settle(0).flatten(), torch.tensor([1, 1, 1, 0, 0, 0.0]))
+
+
+def _overlapping_sweep(host: sweep_module.HostGradient, strips, value: float) -> None:
+    """One backward sweep as backprop_eager runs it: each strip's read-back rows expected
+    before the strip before it adds (tile_strips starts tile i + 1 as tile i is handed out),
+    then its rows added, then the carried rows flushed."""
+    for i, (lo, hi) in enumerate(strips):
+        if i == 0:
+            host.expect(lo, hi, None, None, True)
+        if i + 1 < len(strips):
+            host.expect(*strips[i + 1], hi, None, True)
+        host.add(lo, hi, torch.full((1, 1, hi - lo, 2), value * (i + 1), dtype=torch.float64))
+        if i + 1 < len(strips):  # the device keeps only the rows the next strip shares
+            assert host.carried[0] == strips[i + 1][0] and host.carried[1].shape[-2] == \
+                hi - strips[i + 1][0]
+    host.flush()
+
+
+def test_a_host_gradient_writes_each_row_once_a_sweep_and_reads_back_only_earlier_sweeps(
+        monkeypatch):
+    """HostGradient: strips that share rows add into a host buffer over three sweeps. Each sweep
+    writes every row it reached exactly once (the rows the next strip shares summed on the
+    device first, and only those kept there); the first reads nothing back, each later one
+    reads every row exactly once, all brought in ahead (expect) and none written in the same
+    sweep; and the sums are a zero-filled buffer's, exactly."""
+    writes, reads = [], []
+    real_write, real_bring = sweep_module.write_rows, sweep_module.HostGradient._bring
+
+    def write(rows, part, side=False):
+        writes.append((rows.storage_offset() // 2, rows.storage_offset() // 2 + rows.shape[-2]))
+        real_write(rows, part, side)
+
+    def bring(self, a, b, device, after_writes=False):
+        reads.append((a, b, after_writes, len(writes)))
+        return real_bring(self, a, b, device, after_writes)
+
+    monkeypatch.setattr(sweep_module, "write_rows", write)
+    monkeypatch.setattr(sweep_module.HostGradient, "_bring", bring)
+    full = torch.full((1, 1, 20, 2), float("nan"), dtype=torch.float64)
+    host = sweep_module.HostGradient(full, side=True)
+    strips = [(0, 6), (2, 12), (8, 18), (14, 20)]
+    expected = torch.zeros(20, dtype=torch.float64)
+    for sweep, value in enumerate((1.0, 10.0, 100.0)):
+        writes.clear()
+        reads_before = len(reads)
+        _overlapping_sweep(host, strips, value)
+        covered = sorted(r for w in writes for r in range(*w))
+        assert covered == list(range(20)), (sweep, writes)  # each row once
+        swept = [(a, b) for a, b, *_ in reads[reads_before:]]
+        assert sorted(r for a, b in swept for r in range(a, b)) == \
+            ([] if sweep == 0 else list(range(20)))
+        assert all(not after for _, _, after, _ in reads[reads_before:])  # all brought ahead
+        for i, (lo, hi) in enumerate(strips):
+            expected[lo:hi] += value * (i + 1)
+    host.finish()
+    assert torch.equal(full[0, 0, :, 0], expected) and torch.equal(full[0, 0, :, 1], expected)
+
+
+def test_a_strip_out_of_order_flushes_and_reads_back_after_the_writes(monkeypatch):
+    """A strip that does not continue the carried rows (here one above them) sends them out
+    first and reads the rows back only after every copy out (after_writes): the sums stay
+    exact."""
+    flags = []
+    real_bring = sweep_module.HostGradient._bring
+
+    def bring(self, a, b, device, after_writes=False):
+        flags.append(after_writes)
+        return real_bring(self, a, b, device, after_writes)
+
+    monkeypatch.setattr(sweep_module.HostGradient, "_bring", bring)
+    full = torch.full((1, 1, 10, 1), float("nan"), dtype=torch.float64)
+    host = sweep_module.HostGradient(full, side=True)
+    host.add(4, 10, torch.ones(1, 1, 6, 1, dtype=torch.float64))
+    host.add(0, 6, torch.full((1, 1, 6, 1), 2.0, dtype=torch.float64))
+    host.finish()
+    assert full.flatten().tolist() == [2, 2, 2, 2, 3, 3, 1, 1, 1, 1]
+    assert flags == [True]
