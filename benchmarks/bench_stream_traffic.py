@@ -12,7 +12,7 @@ the proxy's scaled exactly (both multiples of the U-Net's stride). A tensor is c
 GPU run would copy it: an input strip of a host boundary or of the image (streaming.fetch in
 the sweeps), a tile's owned rows of a host output (write_rows), a host output gradient's rows
 (the seed's fetch), and a host input gradient's rows read back to be added to and written out
-(HostGradient in memstudy/tiling/sweep.py: fetch, write_rows). Bytes per element as on a GPU under amp:bf16: 2 for the boundaries and
+(add_rows, write_rows). Bytes per element as on a GPU under amp:bf16: 2 for the boundaries and
 their gradients, 4 for the image (the batches are float32). The chunked loss's blocks of the
 target are left out (one read of the 4-byte target forward, one in backward's recomputation).
 """
@@ -70,7 +70,7 @@ class Ledger:
         self.kept: list[torch.Tensor] = []  # the marked tensors, alive: no address reused
         self.moved: dict[tuple[str, str, str], float] = defaultdict(float)
         # of `moved` to the device, per region: a host input gradient's rows read back to be
-        # added to (HostGradient._bring)
+        # added to (add_rows), read as the tile's gradient is ready, not a tile ahead
         self.added: dict[str, float] = defaultdict(float)
         self.region = "?"
 
@@ -92,10 +92,9 @@ class Ledger:
         return t.numel() * element
 
     def count_added(self, t: torch.Tensor) -> None:
-        """Rows read back to be added to (counted to the device by the fetch that reads them)."""
-        found = self.host.get(t.untyped_storage().data_ptr())
-        if found is not None:
-            self.added[self.region] += t.numel() * found[0]
+        """Rows read back to be added to, then written out again."""
+        self.added[self.region] += self.count(t, "to device")
+        self.count(t, "to host")
 
 
 @contextlib.contextmanager
@@ -111,11 +110,8 @@ def instrumented(ledger: Ledger):
             return inner(*a, **k)
         return mock.patch.object(sweep_module, name, wrapped)
 
-    bring = sweep_module.HostGradient._bring
-
-    def brought(self, a, b, *rest, **named):
-        ledger.count_added(self.full[..., a:b, :])
-        return bring(self, a, b, *rest, **named)
+    def added_to(full, lo, hi, *_):
+        ledger.count_added(full[..., lo:hi, :])
 
     full_like, grad_of = sweep_module._full_like, sweep_module.Sweep.input_grad
 
@@ -136,7 +132,7 @@ def instrumented(ledger: Ledger):
     with contextlib.ExitStack() as stack:
         stack.enter_context(wrap("fetch", lambda t, *_: ledger.count(t, "to device")))
         stack.enter_context(wrap("write_rows", lambda rows, *_: ledger.count(rows, "to host")))
-        stack.enter_context(mock.patch.object(sweep_module.HostGradient, "_bring", brought))
+        stack.enter_context(wrap("add_rows", added_to))
         stack.enter_context(wrap("tile_strips", named))
         stack.enter_context(mock.patch.object(sweep_module, "_full_like", marked))
         stack.enter_context(mock.patch.object(sweep_module.Sweep, "input_grad", input_grad))
@@ -198,11 +194,9 @@ def page(args: argparse.Namespace) -> str:
         lines.append(f"| {region} | {to_dev / GIB:.2f} | {to_host / GIB:.2f} |")
     lines += [f"| **all** | **{h2d / GIB:.2f}** | **{d2h / GIB:.2f}** |", "",
               f"Of the {h2d / GIB:.1f} GiB to the device, {added / GIB:.1f} GiB ({seconds(added)} s) "
-              "are a host input gradient's rows read back to be added to: rows earlier sweeps "
-              "wrote (the rows two strips share are summed on the device, so none is written "
-              "and read back in one sweep), brought in a tile ahead like the strips and the "
-              "output-gradient rows under tile:ahead (memstudy/tiling/sweep.py, HostGradient).",
-              ""]
+              "are a host input gradient's rows read back to be added to (add_rows): read as "
+              "the tile's gradient is ready, in the compute stream's order, not a tile ahead "
+              "(tile:ahead brings the strips and output-gradient rows ahead, the rest).", ""]
     return "\n".join(lines)
 
 

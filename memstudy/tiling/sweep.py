@@ -152,134 +152,26 @@ def _fetch_rows(x: torch.Tensor, lo: int, hi: int, device: torch.device | None,
 
 
 def tile_strips(sweep: "Sweep", inputs: Sequence[torch.Tensor],
-                tiles: Sequence[Tile] | None = None, seed: "Seed | None" = None,
-                needs: Sequence[bool] | None = None):
+                tiles: Sequence[Tile] | None = None, seed: "Seed | None" = None):
     """(tile, its strips, its rows of seed's grad_out or None) for each of `tiles` (default:
     the sweep's) in order. With `sweep.ahead` the next tile's fetches start as a tile is handed
     out, so a host boundary's strips are copied in while the caller computes the tile before
-    (tile:stream), and in backward (`needs`: the inputs given gradients) the rows of host input
-    gradients it will add to; without, each tile's as it is handed out, on the compute
-    stream."""
+    (tile:stream); without, each tile's as it is handed out, on the compute stream."""
     tiles = list(sweep.tiles if tiles is None else tiles)
 
-    def started(i: int) -> list[Fetched]:
-        tile = tiles[i]
+    def started(tile: Tile) -> list[Fetched]:
         rows = [] if seed is None else [seed.fetch_rows(tile, sweep)]
         return fetch_strips(sweep.region, tile, inputs, sweep.device, sweep.ahead) + rows
 
-    def expected(i: int) -> None:  # before tile i - 1 adds its input gradients
-        if needs is not None and i < len(tiles):
-            sweep.expect_input_grads(tiles[i], tiles[i - 1] if i else None, needs)
-
-    expected(0)
-    coming = started(0) if tiles else []
+    coming = started(tiles[0]) if tiles else []
     for i, tile in enumerate(tiles):
-        got = [f.get() for f in (coming if sweep.ahead or i == 0 else started(i))]
-        expected(i + 1)
+        got = [f.get() for f in (coming if sweep.ahead or i == 0 else started(tile))]
         if i + 1 < len(tiles) and sweep.ahead:
-            coming = started(i + 1)
+            coming = started(tiles[i + 1])
         if seed is None:
             yield tile, got, None
         else:
             yield tile, got[:-1], got[-1]
-
-
-class HostGradient:
-    """A host input's shared gradient (tile:stream) as a sweep's strips add into it, top to
-    bottom, from the device.
-
-    The rows a strip shares with the next (the halo both recompute) stay on the device, summed
-    there, and go out once the next strip has added to them (`flush` at the sweep's end); the
-    rest of the strip goes out at once. So no row is written and read back in one sweep: what a
-    strip reads back to be added to is what earlier sweeps wrote, and it can be brought in a
-    tile ahead (`expect`) on the side stream in without waiting for any copy out. Rows nothing has given a value yet are written, not added
-    to (0 + g is g), so the host buffer is never zero-filled; rows no strip reached are zeroed
-    when the sum is handed on (`finish`). Each row gets the additions a zero-filled buffer
-    would, in the same order, so the values do not change."""
-
-    def __init__(self, full: torch.Tensor, side: bool):
-        self.full, self.side = full, side  # side: the copies on the side streams (tile:ahead)
-        self.unwritten = 0  # the first row that nothing has given a value yet
-        self.carried: tuple[int, torch.Tensor] | None = None  # (lo, rows lo.. summed on device)
-        self.next_lo: int | None = None  # where the next strip starts, once expected
-        # read-back rows brought in ahead, by (first, end) row: a tile's are started before
-        # the tile before it has added its own
-        self.coming: dict[tuple[int, int], Fetched] = {}
-
-    def _read_back(self, lo: int, hi: int, after: int | None) -> tuple[int, int]:
-        """The rows of strip lo:hi that hold earlier values on the host: past the rows carried
-        from the strip before (ending at `after`) and before those nothing wrote."""
-        return max(lo, lo if after is None else after), min(hi, self.unwritten)
-
-    def expect(self, lo: int, hi: int, after: int | None, device: torch.device | None,
-               bring: bool) -> None:
-        """The strip lo:hi comes next, after one ending at row `after` (None: none before it
-        in this sweep), so the strip before keeps only the rows from `lo` on the device; with
-        `bring` (tile:ahead), start bringing in the rows it will read back."""
-        self.next_lo = lo
-        a, b = self._read_back(lo, hi, after)
-        if bring and b > a:
-            self.coming[(a, b)] = self._bring(a, b, device)
-
-    def add(self, lo: int, hi: int, part: torch.Tensor) -> None:
-        """Rows lo:hi += part (on part's device)."""
-        carried = self.carried
-        if carried is not None and not (carried[0] <= lo <= self._end(carried) <= hi):
-            self.flush()  # not the next strip down: nothing to carry into it
-            carried = None
-        if carried is None and lo > self.unwritten:  # rows no strip's gradient reached
-            self.full[..., self.unwritten:lo, :].zero_()
-            self.unwritten = lo
-        summed = part.clone()
-        after = None
-        if carried is not None:
-            c_lo, rows = carried
-            after = self._end(carried)
-            summed[..., :after - lo, :] += rows[..., lo - c_lo:, :]
-            if lo > c_lo:  # rows no later strip reaches
-                write_rows(self.full[..., c_lo:lo, :], rows[..., :lo - c_lo, :], self.side)
-        a, b = self._read_back(lo, hi, after)
-        if b > a:
-            summed[..., a - lo:b - lo, :] += self._rows(a, b, part.device)
-        # rows above where the next strip starts are done: out now; the rest stays (a copy,
-        # so that the strip's memory is freed once its rows are out)
-        split = min(max(lo, lo if self.next_lo is None else self.next_lo), hi)
-        self.next_lo = None
-        if split > lo:
-            write_rows(self.full[..., lo:split, :], summed[..., :split - lo, :], self.side)
-        self.carried = (split, summed[..., split - lo:, :].clone() if split > lo else summed)
-        self.unwritten = max(self.unwritten, hi)
-
-    def _rows(self, a: int, b: int, device: torch.device) -> torch.Tensor:
-        """Host rows a:b on `device`: as brought in ahead, else now, once every copy out
-        issued so far is done (after a strip out of order, rows this sweep wrote)."""
-        coming = self.coming.pop((a, b), None)
-        if coming is not None:
-            return coming.get()
-        return self._bring(a, b, device, after_writes=True).get()
-
-    def _bring(self, a: int, b: int, device: torch.device | None,
-               after_writes: bool = False) -> Fetched:
-        """Start bringing host rows a:b to `device` to be added to (streaming.fetch)."""
-        return fetch(self.full[..., a:b, :], device, self.side, after_writes)
-
-    @staticmethod
-    def _end(carried: tuple[int, torch.Tensor]) -> int:
-        return carried[0] + carried[1].shape[-2]
-
-    def flush(self) -> None:
-        """The carried rows go out to the host."""
-        if self.carried is not None:
-            lo, rows = self.carried
-            write_rows(self.full[..., lo:self._end(self.carried), :], rows, self.side)
-        self.carried = self.next_lo = None
-        self.coming.clear()
-
-    def finish(self) -> None:
-        """The sum is handed on: rows no strip reached are zero."""
-        self.flush()
-        if self.unwritten < self.full.shape[-2]:
-            self.full[..., self.unwritten:, :].zero_()
 
 
 # -- the two sweeps as autograd Functions ------------------------------------------------------
@@ -305,9 +197,10 @@ class Sweep:
     ahead: bool = False  # host copies on side streams, the next tile's started early (tile:ahead)
     input_grads: list = field(init=False)  # per input: the shared buffer, or None
     pending: list = field(init=False)  # per input: Functions yet to add into it
-    # per input: how strips add into a host buffer (HostGradient), or None: a device buffer,
-    # zero-filled, added to in place
-    host_sums: list = field(init=False)
+    # per input: the first row of a host buffer that nothing has written yet (None: the buffer
+    # was zero-filled). A host buffer is written as the first backward sweep's tiles come, top to
+    # bottom, instead of being zero-filled and then read back to be added to (add_input_grad)
+    unwritten: list = field(init=False)
     # The region's inputs are saved once, by _Apply, whose backward runs first (every _Stats
     # output feeds it): its unpacked inputs serve the _Stats backwards after it, so a
     # transform such as offload brings each input back once per backward, not once per
@@ -319,7 +212,7 @@ class Sweep:
 
     def __post_init__(self) -> None:
         self.input_grads, self.pending = [None] * self.n_inputs, [0] * self.n_inputs
-        self.host_sums = [None] * self.n_inputs
+        self.unwritten = [None] * self.n_inputs
 
     def share_inputs(self, inputs: list) -> None:
         """_Apply's backward: its unpacked inputs, for the _Stats backwards to come."""
@@ -345,42 +238,33 @@ class Sweep:
 
     def input_grad(self, i: int, like: torch.Tensor) -> torch.Tensor:
         """The shared gradient of input i, where the input lies (a host input's on the host,
-        unwritten until its strips are added: HostGradient; CUDA graphs add into a
-        zero-filled one)."""
+        unwritten until add_input_grad writes it; CUDA graphs add into a zero-filled one)."""
         if self.input_grads[i] is None:
             if like.device.type == "cpu" and self.graphs is None:
                 self.input_grads[i] = host_empty(like.shape, like.dtype, self.device,
                                                  memory_format_of(like))
-                self.host_sums[i] = HostGradient(self.input_grads[i], self.ahead)
+                self.unwritten[i] = 0
             else:
                 self.input_grads[i] = torch.zeros_like(like)
         return self.input_grads[i]
 
     def add_input_grad(self, i: int, like: torch.Tensor, lo: int, hi: int,
                        part: torch.Tensor) -> None:
-        """Rows lo:hi of input i's shared gradient += part."""
-        full = self.input_grad(i, like)
-        if self.host_sums[i] is None:
-            add_rows(full, lo, hi, part)
-        else:
-            self.host_sums[i].add(lo, hi, part)
-
-    def expect_input_grads(self, tile: Tile, before: Tile | None, needs: Sequence[bool]) -> None:
-        """`tile` is handed out next after `before` (None: the sweep's first): the host input
-        gradients learn where its strips start and (tile:ahead) start bringing in the rows they
-        will be added to."""
-        q0, q1 = tile.strip
-        for i, host in enumerate(self.host_sums):
-            if host is not None and needs[i]:
-                f = self.region.input_factors[i]
-                host.expect(f * q0, f * q1, None if before is None else f * before.strip[1],
-                            self.device, self.ahead)
-
-    def flush_input_grads(self) -> None:
-        """A backward sweep's end: the rows still summed on the device go out."""
-        for host in self.host_sums:
-            if host is not None:
-                host.flush()
+        """Rows lo:hi of input i's shared gradient += part. Rows nothing has written yet are
+        written, not added to (0 + g is g): on the host no zero fill, and no copy in of zeros.
+        The first sweep's tiles come top to bottom and each strip starts at or above the last
+        one's end, so the rows below `unwritten` are the only ones written so far."""
+        full, start = self.input_grad(i, like), self.unwritten[i]
+        if start is None or hi <= start:
+            add_rows(full, lo, hi, part, self.ahead)
+            return
+        if lo > start:  # rows no strip's gradient reached (a tile that did not need it)
+            full[..., start:lo, :].zero_()
+        cut = max(lo, start)
+        if cut > lo:  # the rows the strip before wrote (its halo), added to
+            add_rows(full, lo, cut, part[..., :cut - lo, :], self.ahead)
+        write_rows(full[..., cut:hi, :], part[..., cut - lo:, :], self.ahead)
+        self.unwritten[i] = hi
 
     def settle(self, i: int) -> torch.Tensor | None:
         """One Function's backward is done with input i: the sum once it was the last (rows no
@@ -389,9 +273,9 @@ class Sweep:
         if self.pending[i]:
             return None
         grad, self.input_grads[i] = self.input_grads[i], None
-        host, self.host_sums[i] = self.host_sums[i], None
-        if host is not None:
-            host.finish()
+        start, self.unwritten[i] = self.unwritten[i], None
+        if start is not None and start < grad.shape[-2]:
+            grad[..., start:, :].zero_()
         return grad
 
     @property
@@ -613,10 +497,9 @@ def backprop_eager(sweep: Sweep, tensors: list, needs: Sequence[bool], target: i
     # autocast entered once for all tiles: its cache keeps each weight's low-precision copy
     # across them (entered per tile, every convolution recast its weight in every tile)
     with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
-        for tile, strips, rows in tile_strips(sweep, inputs, tiles, seed, needs):
+        for tile, strips, rows in tile_strips(sweep, inputs, tiles, seed):
             _backprop_tile(sweep, tile, strips, rows, inputs, stats, params, needs, target,
                            seed, grads)
-    sweep.flush_input_grads()
     settle(sweep.device)  # the host input gradients' last rows are written
     return grads
 

@@ -264,11 +264,8 @@ class TiledForward:
         """Bytes per full-resolution strip row that a streamed sweep holds beside the tile
         computing when its copies run a tile ahead (memstudy/streaming.py), the most of any
         region: in backward the next tile's host input strips (the image's in float32, the
-        batches being float32), its rows of a host output gradient and of each host input
-        gradient it will add to (brought in ahead: sweep.HostGradient), and the tile before's
-        input gradient rows still being written back; the rows that tile shares with the
-        computing one, summed on the device, are a halo's and not counted. Zero without
-        `stream` or `ahead`."""
+        batches being float32) and its rows of a host output gradient, and the tile before's
+        input gradient rows still being written back. Zero without `stream` or `ahead`."""
         if not (self.stream and self.ahead):
             return 0.0
 
@@ -279,7 +276,7 @@ class TiledForward:
             return batch * channels * (width / down) / down * element
 
         host = self.kept_on_host | {"x"}
-        return max(sum(row_bytes(n) * (1 if n == "x" else 3)  # the image needs no gradient
+        return max(sum(row_bytes(n) * (1 if n == "x" else 2)  # the image needs no gradient
                        for n in spec.inputs if n in host)
                    + (row_bytes(spec.output) if spec.output in host else 0.0)
                    for spec in self.specs)
