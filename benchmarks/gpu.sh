@@ -118,10 +118,12 @@ for item in $STEPS; do
             $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_streaming.py tests/test_tile_stream_gpu.py -k "not 16384" 2>&1 | tee "$RES/stream-ahead-tests.log" ;;
         # how the streamed levels' residual stages are cut (tile:layer1): STREAM_SET with each of
         # LAYER1_CUTS (default "convs blocks whole"; STREAM_SET's own is convs) in turn in one run
-        # under 8 GiB at LAYER1_SIZE (default 8192); LAYER1_PROFILE=1 attributes each profiled
-        # step's kernels and copies (kernels.txt; about 100 s more a run at 8192 px)
+        # under 8 GiB at LAYER1_SIZE (default 8192), its 16 strips or LAYER1_ROWS-row ones (e.g.
+        # 752, tile:auto's at 16384 px); LAYER1_PROFILE=1 attributes each profiled step's kernels
+        # and copies (kernels.txt; about 100 s more a run at 8192 px)
         tile-stream-layer1) size=${LAYER1_SIZE:-8192}; mkdir -p "$RES/stream-layer1-$size"
             stream=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.STREAM_SET)")
+            [ -n "${LAYER1_ROWS:-}" ] && stream=${stream/tile:16:/tile:rows=$LAYER1_ROWS:}
             sets=""; for cut in ${LAYER1_CUTS:-convs blocks whole}; do sets="$sets${sets:+;}${stream/layer1=convs/layer1=$cut}"; done
             [ "${LAYER1_PROFILE:-0}" = 1 ] && export MEMSTUDY_PROFILE_TABLE="$RES/stream-layer1-$size/kernels.txt"
             $PY benchmarks/bench_ladder.py --part native --out "$RES/stream-layer1-$size" --size "$size" --budget 8GiB --steps 4 --no-float32 --no-references --tiled-set "$sets" 2>&1 | tee -a "$RES/tile-stream-layer1.log"
