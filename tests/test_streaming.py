@@ -18,6 +18,9 @@ from memstudy.tiling.geometry import Tile
 class _Region:
     input_factors = [1]
 
+    def inputs_read(self, target):
+        return None
+
 
 class _Sweep:
     """What tile_strips reads of a Sweep."""
@@ -35,9 +38,9 @@ def test_the_next_tiles_strips_are_started_before_a_tile_is_handed_out(monkeypat
     events = []
     started = sweep_module.fetch_strips
 
-    def recording(region, tile, inputs, device, side=True):
+    def recording(region, tile, inputs, device, side=True, reads=None):
         events.append(("start", tile.strip[0] // 4))
-        return started(region, tile, inputs, device, side)
+        return started(region, tile, inputs, device, side, reads)
 
     monkeypatch.setattr(sweep_module, "fetch_strips", recording)
     x = torch.arange(16.0).reshape(1, 1, 16, 1)
@@ -58,9 +61,9 @@ def test_without_ahead_each_tiles_strips_are_started_as_it_is_handed_out(monkeyp
     events = []
     started = sweep_module.fetch_strips
 
-    def recording(region, tile, inputs, device, side=True):
+    def recording(region, tile, inputs, device, side=True, reads=None):
         events.append(("start", tile.strip[0] // 4, side))
-        return started(region, tile, inputs, device, side)
+        return started(region, tile, inputs, device, side, reads)
 
     monkeypatch.setattr(sweep_module, "fetch_strips", recording)
     sw = _Sweep(3)
@@ -181,3 +184,38 @@ def test_rows_below_the_last_strip_with_a_gradient_are_zero_when_the_sum_is_hand
     sw.pending[0] = 1
     sw.add_input_grad(0, torch.zeros(1, 1, 6, 1), 0, 3, torch.ones(1, 1, 3, 1))
     assert torch.equal(sw.settle(0).flatten(), torch.tensor([1, 1, 1, 0, 0, 0.0]))
+
+
+def test_a_statistics_sweep_copies_in_only_the_inputs_it_reads(monkeypatch):
+    """Region layer1.0 at levels=4 with layer1=convs takes a0 (its first convolution's output)
+    and p0 (its input, the identity added after bn2). The sweeps for bn2's statistics, forward
+    and backward, stop at bn2's input, so they copy in a0's strips alone; its apply sweeps copy
+    in both. The step's values are unchanged (tests/test_tiling.py compares streamed plans with
+    the untiled step in float64)."""
+    from memstudy.models import build_unet
+    from memstudy.tiling.tiled_forward import TiledForward
+
+    real_tile_strips, real_fetch = sweep_module.tile_strips, sweep_module.fetch
+    now: dict = {}
+    fetched: set = set()
+
+    def tile_strips(sweep, inputs, tiles=None, seed=None, target=None):
+        now.update(region=sweep.region.name, target=target,
+                   inputs={x.untyped_storage().data_ptr(): i for i, x in enumerate(inputs)})
+        yield from real_tile_strips(sweep, inputs, tiles, seed, target)
+
+    def fetch(t, device, side=False, after_writes=False):
+        i = now.get("inputs", {}).get(t.untyped_storage().data_ptr())
+        if i is not None and now["region"] == "layer1.0":
+            fetched.add((now["target"], i))
+        return real_fetch(t, device, side, after_writes)
+
+    monkeypatch.setattr(sweep_module, "tile_strips", tile_strips)
+    monkeypatch.setattr(sweep_module, "fetch", fetch)
+    torch.manual_seed(0)
+    unet = build_unet(seed=0).train()
+    unet.forward_padded = TiledForward(unet, 4, 0, 64, "conv1", None, "convs", "torch",
+                                       stream=True)
+    unet(torch.rand(1, 1, 256, 64)).square().mean().backward()
+    bn2 = unet.forward_padded.regions["layer1.0"].norm_names.index("layer1.0.bn2")
+    assert fetched == {(None, 0), (None, 1), (bn2, 0)}

@@ -373,35 +373,43 @@ def _factor(name: str, levels: int, stages: Stages = RESNET34) -> int:
 @dataclass
 class Trace:
     """A tensor of a region as the rows it reads: one (source factor, ops) branch per path from
-    an input; `factor` is its own resolution in multiples of the coarse grid."""
+    an input; `factor` is its own resolution in multiples of the coarse grid; `sources` the
+    indices of the region inputs it is computed from."""
     factor: int
     branches: list[tuple[int, tuple]] = field(default_factory=list)
+    sources: frozenset[int] = frozenset()
 
     def then(self, op) -> "Trace":
         factor = self.factor * op.factor if isinstance(op, Upsample) else self.factor // op.stride
-        return Trace(factor, [(f, ops + (op,)) for f, ops in self.branches])
+        return Trace(factor, [(f, ops + (op,)) for f, ops in self.branches], self.sources)
 
     def paths(self) -> list[Path]:
         return [Path(f, self.factor, ops) for f, ops in self.branches]
 
 
 class TraceOps:
-    """`ops` for the walks: records the paths to every BatchNorm input and the norms' order."""
+    """`ops` for the walks: records the paths to every BatchNorm input, the norms' order, and
+    which region inputs the walk has used by the time it reaches each BatchNorm."""
 
     def __init__(self, stages: Stages):
         self.stages = stages
         self.norm_paths: list[Path] = []
         self.modules: list[str] = []  # convolutions and BatchNorms, in the order first called
         self.norms: list[str] = []  # the BatchNorms alone, in the same order
+        self.used: set[int] = set()  # the inputs any operation so far took
+        self.reads: dict[str, frozenset[int]] = {}  # BatchNorm -> inputs used up to its input
 
     def conv(self, name: str, t: Trace) -> Trace:
         self._use(name)
+        self.used |= t.sources
         return t.then(self.stages.window(name))
 
     def norm(self, name: str, t: Trace, relu: bool = False) -> Trace:
         self.norm_paths += t.paths()
+        self.used |= t.sources
         if name not in self.norms:
             self.norms.append(name)
+            self.reads[name] = frozenset(self.used)
         self._use(name)
         return t
 
@@ -410,12 +418,15 @@ class TraceOps:
             self.modules.append(name)
 
     def relu(self, t: Trace) -> Trace:
+        self.used |= t.sources
         return t
 
     def up(self, t: Trace) -> Trace:
+        self.used |= t.sources
         return t.then(UP)
 
     def pool(self, t: Trace) -> Trace:
+        self.used |= t.sources
         return t.then(POOL)
 
     def up_conv(self, name: str, d: Trace, skip: Trace | None) -> Trace:
@@ -424,7 +435,8 @@ class TraceOps:
 
     def cat(self, a: Trace, b: Trace) -> Trace:
         assert a.factor == b.factor, (a.factor, b.factor)  # same grid: the walk is consistent
-        return Trace(a.factor, a.branches + b.branches)
+        self.used |= a.sources | b.sources
+        return Trace(a.factor, a.branches + b.branches, a.sources | b.sources)
 
     add = cat
 
@@ -434,11 +446,14 @@ class Traced:
     modules: list[str]  # convolutions and BatchNorms the region's body calls, first call first
     norms: list[str]  # its BatchNorms, in that order
     paths: list[Path]  # receptive-field paths to every BatchNorm input and to the output
+    # BatchNorm -> the inputs (indices) the walk has used when it reaches that BatchNorm's
+    # input: all that a statistics sweep of it reads (the rest come into play after it)
+    reads: dict[str, frozenset[int]] = field(default_factory=dict)
 
 
 def trace(spec: RegionSpec, levels: int) -> Traced:
     ops = TraceOps(spec.stages)
-    inputs = [Trace(f, [(f, ())]) for f in spec.factors]
+    inputs = [Trace(f, [(f, ())], frozenset({i})) for i, f in enumerate(spec.factors)]
     out = encoder_walk(ops, levels, spec, inputs) if spec.encoder \
         else decoder_walk(ops, spec, inputs)
-    return Traced(ops.modules, ops.norms, ops.norm_paths + out.paths())
+    return Traced(ops.modules, ops.norms, ops.norm_paths + out.paths(), ops.reads)

@@ -71,6 +71,18 @@ class Region:
     norm_names: list[str] = field(default_factory=list)  # the norms' names (chain.py), in order
     out_norm: nn.modules.batchnorm._BatchNorm | None = None  # normalises the output, if any
     kernels: str = "triton"  # the BatchNorms' kernels on CUDA strips (norm.py; tile:norm)
+    # per norm: which inputs the body has used when it reaches that norm's input, all that a
+    # statistics sweep of it reads (chain.trace); empty: every input, for every sweep
+    reads: list[tuple[bool, ...]] = field(default_factory=list)
+
+    def inputs_read(self, target: int | None) -> tuple[bool, ...] | None:
+        """The inputs a sweep for the statistics of norm `target` reads (None: an apply
+        sweep, or no record: all of them). A statistics sweep stops at its norm's input, so an
+        input used only after it (a residual block's identity, a decoder block's skip) is
+        neither copied in nor given a gradient there."""
+        if target is None or not self.reads:
+            return None
+        return self.reads[target]
 
     def params(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
@@ -132,12 +144,15 @@ def strips_of(region: Region, tile: Tile, inputs: Sequence[torch.Tensor],
 
 
 def fetch_strips(region: Region, tile: Tile, inputs: Sequence[torch.Tensor],
-                 device: torch.device | None, side: bool = True) -> list[Fetched]:
+                 device: torch.device | None, side: bool = True,
+                 reads: Sequence[bool] | None = None) -> list[Fetched]:
     """strips_of, started: a host input's strip is on its way (streaming.fetch; `side`: on the
-    side stream); a device input's is sliced when asked for, after its rows have arrived."""
+    side stream); a device input's is sliced when asked for, after its rows have arrived; an
+    input the sweep does not read (`reads`, Region.inputs_read) comes as None."""
     q0, q1 = tile.strip
-    return [_fetch_rows(x, f * q0, f * q1, device, side)
-            for x, f in zip(inputs, region.input_factors)]
+    return [_fetch_rows(x, f * q0, f * q1, device, side) if reads is None or reads[i]
+            else Fetched(pending=lambda: None)
+            for i, (x, f) in enumerate(zip(inputs, region.input_factors))]
 
 
 def _fetch_rows(x: torch.Tensor, lo: int, hi: int, device: torch.device | None,
@@ -152,16 +167,20 @@ def _fetch_rows(x: torch.Tensor, lo: int, hi: int, device: torch.device | None,
 
 
 def tile_strips(sweep: "Sweep", inputs: Sequence[torch.Tensor],
-                tiles: Sequence[Tile] | None = None, seed: "Seed | None" = None):
+                tiles: Sequence[Tile] | None = None, seed: "Seed | None" = None,
+                target: int | None = None):
     """(tile, its strips, its rows of seed's grad_out or None) for each of `tiles` (default:
-    the sweep's) in order. With `sweep.ahead` the next tile's fetches start as a tile is handed
-    out, so a host boundary's strips are copied in while the caller computes the tile before
-    (tile:stream); without, each tile's as it is handed out, on the compute stream."""
+    the sweep's) in order; `target`: the norm a statistics sweep stops at (the inputs it does
+    not read come as None). With `sweep.ahead` the next tile's fetches start as a tile is
+    handed out, so a host boundary's strips are copied in while the caller computes the tile
+    before (tile:stream); without, each tile's as it is handed out, on the compute stream."""
     tiles = list(sweep.tiles if tiles is None else tiles)
+    reads = sweep.region.inputs_read(target)
 
     def started(tile: Tile) -> list[Fetched]:
         rows = [] if seed is None else [seed.fetch_rows(tile, sweep)]
-        return fetch_strips(sweep.region, tile, inputs, sweep.device, sweep.ahead) + rows
+        return fetch_strips(sweep.region, tile, inputs, sweep.device, sweep.ahead,
+                            reads) + rows
 
     coming = started(tiles[0]) if tiles else []
     for i, tile in enumerate(tiles):
@@ -328,7 +347,7 @@ class _Stats(torch.autograd.Function):
             for tile in sweep.tiles:
                 acc = merge(acc, sweep.graphs.moments(sweep, tile, inputs, stats, k))
         else:
-            for tile, strips, _ in tile_strips(sweep, inputs):
+            for tile, strips, _ in tile_strips(sweep, inputs, target=k):
                 acc = merge(acc, moments(TileRun(sweep.region, tile, stats, target=k)(strips),
                                          sweep.region.kernels))
             settle(sweep.device)
@@ -497,7 +516,7 @@ def backprop_eager(sweep: Sweep, tensors: list, needs: Sequence[bool], target: i
     # autocast entered once for all tiles: its cache keeps each weight's low-precision copy
     # across them (entered per tile, every convolution recast its weight in every tile)
     with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
-        for tile, strips, rows in tile_strips(sweep, inputs, tiles, seed):
+        for tile, strips, rows in tile_strips(sweep, inputs, tiles, seed, target):
             _backprop_tile(sweep, tile, strips, rows, inputs, stats, params, needs, target,
                            seed, grads)
     settle(sweep.device)  # the host input gradients' last rows are written
@@ -510,7 +529,8 @@ def _backprop_tile(sweep: Sweep, tile: Tile, strips: list, rows: torch.Tensor | 
     """One tile of backprop_eager, given its strips and its rows of grad_out: recompute it
     with grad, add its gradients into `grads` and the region's shared input gradients."""
     region, n = sweep.region, sweep.n_inputs
-    strips = [s.detach().requires_grad_(needs[i]) for i, s in enumerate(strips)]
+    strips = [None if s is None else s.detach().requires_grad_(needs[i])
+              for i, s in enumerate(strips)]  # None: an input a statistics sweep does not read
     flat = [None if t is None else t.detach().requires_grad_(needs[n + i])
             for i, t in enumerate(flatten_stats(stats))]
     leaves = strips + flat + list(params)
@@ -524,7 +544,7 @@ def _backprop_tile(sweep: Sweep, tile: Tile, strips: list, rows: torch.Tensor | 
     # batch 1 a batch stride of C, which no longer reads as channels_last: cuDNN's backward
     # then converted every gradient of the strip's first convolution to NCHW and back (an H100
     # profile at 8192 px: 92 ms of one step's copies in region top)
-    viewed = [t[...] if t.requires_grad else t for t in strips]
+    viewed = [t[...] if t is not None and t.requires_grad else t for t in strips]
     run = TileRun(region, tile, sweep.unpack([*strips, *flat])[1], target)
     full = run.uncropped(viewed)
     got = torch.autograd.grad(full, [leaves[i] for i in wanted],

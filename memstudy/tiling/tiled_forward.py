@@ -206,9 +206,10 @@ def build_region(unet: nn.Module, spec: RegionSpec, levels: int, produced: set[s
         return encoder_walk(ops, levels, spec, strips) if spec.encoder \
             else decoder_walk(ops, spec, strips)
 
+    reads = [tuple(i in traced.reads[n] for i in range(len(spec.inputs))) for n in names]
     return Region(spec.name, spec.factors, [modules[n] for n in names], len(shared),
                   [modules[n] for n in traced.modules], traced.paths, body, names,
-                  modules[spec.out_norm] if spec.out_norm else None, kernels)
+                  modules[spec.out_norm] if spec.out_norm else None, kernels, reads)
 
 
 # -- the forward ------------------------------------------------------------------------------
