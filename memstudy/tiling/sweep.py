@@ -17,7 +17,10 @@ Each yields gradients for the input strips (added into one full-size gradient pe
 all the region's Functions share: `Sweep`), for the earlier statistics and for the parameters.
 With K BatchNorms computed in a region, a training step runs K + 1 forward sweeps and K + 1
 backward sweeps of that region, and nothing of full size other than the region's inputs, their
-gradients and the output is alive at any time.
+gradients and the output is alive at any time. A `_Stats` sweep, forward and backward, reads
+only the inputs the body has used by the time it reaches its BatchNorm's input
+(`Region.reads`, from chain.trace): a residual block's identity or a decoder block's skip,
+used after it, is not copied in there (tile:stream), and gets no gradient from it anyway.
 
 A region whose output is the input of a BatchNorm (`Region.out_norm`: it stops at a kept
 tensor before a BatchNorm) also returns that BatchNorm's statistics from `_Apply`: the moments
