@@ -75,6 +75,10 @@ AUTO_PLANS = {
 
 def calibration_sets(plans=tuple(AUTO_PLANS)) -> str:
     """The calibration runs of the named plans, ';'-joined: each at 256 and 1024 rows."""
+    unknown = [plan for plan in plans if plan not in AUTO_PLANS]
+    if unknown:
+        raise SystemExit(f"unknown calibration plan(s) {', '.join(unknown)}: give some of "
+                         f"{', '.join(AUTO_PLANS)} (AUTO_CALIBRATION_PLANS)")
     return ";".join(
         f"amp:bf16,checkpoint,offload:which=boundaries:prefetch=1,"
         f"{AUTO_PLANS[plan].format(rows=rows)},allocator:expandable_segments=true"

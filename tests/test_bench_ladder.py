@@ -5,6 +5,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import bench_ladder  # noqa: E402
 
@@ -109,3 +111,15 @@ def test_the_step_cell_shows_the_plain_steps_spread_where_recorded(tmp_path):
     column = rows[0].index("step s")
     assert {r[0].lstrip("| "): r[column] for r in rows[1:]} == {
         "the set under 4GiB": "0.500 (0.480-0.531 of 10)", bench_ladder.TUNED_LABEL: "0.125"}
+
+
+def test_calibration_sets_name_their_plans_and_refuse_unknown_ones():
+    """Each named plan at 256 and 1024 rows, streamed ones with their copies on the compute
+    stream (what tile:auto's model fits); an unknown name is refused naming the known ones."""
+    sets = bench_ladder.calibration_sets(["levels4-stream-blocks"]).split(";")
+    assert [s.split(",")[3] for s in sets] == [
+        f"tile:rows={rows}:levels=4:keep=conv1:layer1=blocks:stream=true:ahead=false"
+        for rows in (256, 1024)]
+    assert len(bench_ladder.AUTO_CALIBRATION_SETS.split(";")) == 2 * len(bench_ladder.AUTO_PLANS)
+    with pytest.raises(SystemExit, match="levels9.*levels2, levels3"):
+        bench_ladder.calibration_sets(["levels9"])
