@@ -92,27 +92,29 @@ def test_other_networks_peaks_are_predicted_within_3_percent_or_above(run):
 
 
 def pick(side: int, budget_gib: float, encoder: str = "resnet34", optim_on_device=True,
-         batch: int = 1, ahead: bool = True):  # ahead: tile:ahead, true by default
+         batch: int = 1, ahead: bool = True, plans: int = 2):  # tile:ahead's and tile:plans'
     return auto.pick(side, side, batch, int(budget_gib * GiB), ModelConfig(encoder=encoder),
-                     "enhance", True, optim_on_device, ahead)
+                     "enhance", True, optim_on_device, ahead, plans)  # defaults with auto
 
 
 def test_the_fastest_plan_that_fits_with_its_tallest_strips():
     at_4gib, at_8gib = pick(4192, 4), pick(16384, 8)
     assert (at_4gib.plan, at_4gib.stream) == ("levels2", False)
-    assert (at_8gib.plan, at_8gib.stream) == ("levels4-stream", True)
+    assert (at_8gib.plan, at_8gib.stream) == ("levels4-stream-blocks", True)
     for chosen in (at_4gib, at_8gib):
         assert chosen.predicted_bytes <= chosen.available_bytes
         assert chosen.rows % 2 ** chosen.levels == 0
-    assert at_8gib.record() == {"plan": "levels4-stream", "rows": at_8gib.rows,
+    assert at_8gib.record() == {"plan": "levels4-stream-blocks", "rows": at_8gib.rows,
                                 "predicted_peak_bytes": at_8gib.predicted_bytes,
                                 "available_bytes": at_8gib.available_bytes}
     assert at_8gib.says() == (
-        f"tile:auto picked levels4-stream: levels=4, {at_8gib.rows}-row strips, stream=True "
+        f"tile:auto picked levels4-stream-blocks: levels=4, {at_8gib.rows}-row strips, "
+        "stream=True "
         f"(predicted peak {at_8gib.predicted_bytes / MiB:.0f} MiB of "
         f"{at_8gib.available_bytes / MiB:.0f} MiB planned beside the CUDA context)")
     taller = pick(16384, 8.5)  # more memory: no narrower strips, no slower plan
-    assert list(auto.PLANS).index(taller.plan) <= list(auto.PLANS).index(at_8gib.plan)
+    order = auto.PLAN_SETS[2]
+    assert order.index(taller.plan) <= order.index(at_8gib.plan)
     assert taller.plan != at_8gib.plan or taller.rows >= at_8gib.rows
     assert pick(4192, 16).rows == 4192  # room for the whole image in one strip
     one, two = pick(4192, 4), pick(4192, 4, batch=2)  # two images: each term but the constant
@@ -120,19 +122,23 @@ def test_the_fastest_plan_that_fits_with_its_tallest_strips():
     assert two.predicted_bytes <= two.available_bytes
 
 
-@pytest.mark.parametrize("side, budget, optim_on_device, plan, rows", [
-    (4192, 4, True, "levels2", 1400),          # 4188 px padded: 3 strips
-    (4192, 2, False, "levels4-stream", 704),   # with offload_optim: 6 strips
-    (4192, 8, True, "levels2", 4192),          # the whole image in one strip
-    (8192, 8, True, "levels3", 1640),          # 5 strips (levels2's would be under MIN_ROWS)
-    (12288, 8, True, "levels4-stream", 1376),  # 9 strips
-    (16384, 8, True, "levels4-stream", 752),   # 22 strips
+@pytest.mark.parametrize("side, budget, optim_on_device, plans, plan, rows", [
+    (4192, 4, True, 2, "levels2", 1400),                 # 4188 px padded: 3 strips
+    (4192, 2, False, 2, "levels4-stream-blocks", 704),   # with offload_optim: 6 strips
+    (4192, 8, True, 2, "levels2", 4192),                 # the whole image in one strip
+    (8192, 8, True, 2, "levels3", 1640),   # 5 strips (levels2's would be under MIN_ROWS)
+    (12288, 8, True, 2, "levels4-stream-blocks", 1376),  # 9 strips
+    (16384, 8, True, 2, "levels4-stream-blocks", 784),   # 21 strips
+    (4192, 2, False, 1, "levels4-stream", 704),   # plan set 1: layer1 cut at its convolutions
+    (12288, 8, True, 1, "levels4-stream", 1376),
+    (16384, 8, True, 1, "levels4-stream", 752),   # 22 strips
+    (8192, 8, True, 1, "levels3", 1640),
 ])
 def test_the_picks_for_the_studys_sizes_and_budgets_are_pinned(side, budget, optim_on_device,
-                                                                plan, rows):
+                                                                plans, plan, rows):
     """The picks measured (docs/techniques/tile.md, "tile:auto") and those still to measure: a
     change of the model, its calibration or its margin shows here first."""
-    chosen = pick(side, budget, optim_on_device=optim_on_device)
+    chosen = pick(side, budget, optim_on_device=optim_on_device, plans=plans)
     assert (chosen.plan, chosen.rows) == (plan, rows)
 
 
@@ -144,7 +150,8 @@ def test_a_streamed_plan_counts_what_its_copies_a_tile_ahead_hold():
     bf16: 64 / 16 * 2 = 8 bytes per strip row and image column each, twice: strip and
     gradient) and output p<j+1> (8): 40 bytes. The pick adds it for every strip row, so its
     strips are lower than with tile:ahead=false, which adds nothing: 752 rows at 16384 px
-    against 864, 1376 at 12288 against 1536, 704 at 4188 px under 2 GiB against 848."""
+    against 864, 1376 at 12288 against 1536, 704 at 4188 px under 2 GiB against 848 (plan set
+    1; cut at the blocks, set 2, no p<j>: 36 bytes)."""
     from memstudy.models import build_unet
     from memstudy.tiling.tiled_forward import TiledForward
 
@@ -158,10 +165,13 @@ def test_a_streamed_plan_counts_what_its_copies_a_tile_ahead_hold():
     assert tiled(True).fetched_ahead_bytes(16384, 2, 2) == 2 * 16384 * 40
     assert tiled(False).fetched_ahead_bytes(16384, 1, 2) == 0
     assert tiled(True, ahead=False).fetched_ahead_bytes(16384, 1, 2) == 0
+    assert TiledForward(unet, 4, 0, 0, "conv1", None, "blocks", "torch", True,
+                        True).fetched_ahead_bytes(1, 1, 2) == 2 * 8 + 2 * 8 + 4
     for ahead, rows in ((True, [752, 1376, 704]), (False, [864, 1536, 848])):
-        assert [pick(16384, 8, ahead=ahead).rows, pick(12288, 8, ahead=ahead).rows,
-                pick(4192, 2, optim_on_device=False, ahead=ahead).rows] == rows
-    chosen = pick(16384, 8)
+        assert [pick(16384, 8, ahead=ahead, plans=1).rows,
+                pick(12288, 8, ahead=ahead, plans=1).rows,
+                pick(4192, 2, optim_on_device=False, ahead=ahead, plans=1).rows] == rows
+    chosen = pick(16384, 8, plans=1)
     halo = auto.min_tile_rows(4, "conv1", "convs", "resnet34")
     shapes = auto._Shapes.of(("resnet34", tuple(DEFAULT_DECODER_CHANNELS), 1, 1, "enhance"))
 
@@ -173,7 +183,7 @@ def test_a_streamed_plan_counts_what_its_copies_a_tile_ahead_hold():
     assert chosen.predicted_bytes == int(predicted(chosen.rows, True))
     # 864-row strips (19), the pick with the copies on the compute stream, fit only without
     assert predicted(864, False) <= chosen.available_bytes < predicted(864, True)
-    unhurried = pick(16384, 8, ahead=False)
+    unhurried = pick(16384, 8, ahead=False, plans=1)
     assert (unhurried.rows, unhurried.predicted_bytes) == (864, int(predicted(864, False)))
 
 
@@ -181,7 +191,7 @@ def test_a_larger_encoder_gets_no_taller_strips():
     """ResNet-50's activations per pixel are larger than ResNet-34's: under the same budget its
     pick is the same plan with strips no taller, or a more frugal plan."""
     small, large = pick(4192, 4), pick(4192, 4, "resnet50")
-    order = list(auto.PLANS)
+    order = auto.PLAN_SETS[2]
     assert order.index(large.plan) > order.index(small.plan) or large.rows <= small.rows
     assert (small.plan, small.rows) != (large.plan, large.rows)
 
@@ -200,7 +210,7 @@ def cuda_plan(techniques: str, size=4188, budget="4GiB"):
     return make_plan(cfg, device=torch.device("cuda"), n_gpus=1)
 
 
-@pytest.mark.parametrize("size, budget", [(4188, 4), (16384, 8)])  # levels2; levels4-stream
+@pytest.mark.parametrize("size, budget", [(4188, 4), (16384, 8)])  # levels2; streamed
 def test_the_run_tiles_with_the_pick_spelled_out(size, budget, monkeypatch):
     from memstudy import image_sizes
     from memstudy.techniques.tile import concrete
@@ -213,6 +223,21 @@ def test_the_run_tiles_with_the_pick_spelled_out(size, budget, monkeypatch):
     assert (tiled.levels, tiled.rows, tiled.keep, tiled.layer1, tiled.stream, tiled.tiles) == (
         chosen.levels, chosen.rows, chosen.keep, chosen.layer1, chosen.stream, 0)
     assert any(t.startswith("tile:tiles=auto:") for t in plan.applied())  # auto's own hash
+
+
+@pytest.mark.parametrize("spec, layer1, rows", [("auto", "blocks", 784),
+                                                ("auto:plans=1", "convs", 752)])
+def test_the_plan_set_decides_how_a_streamed_run_cuts_its_residual_stages(spec, layer1, rows,
+                                                                          monkeypatch):
+    """At 16384 px under 8 GiB the default set streams with layer1 and layer2 cut at their
+    blocks; tile:plans=1 picks as runs recorded before it did (their convolutions)."""
+    from memstudy import image_sizes
+    from memstudy.techniques.tile import concrete
+
+    monkeypatch.setattr(image_sizes, "host_memory_bytes", lambda: 128 * GiB)
+    plan = cuda_plan(SET.replace("auto", spec), 16384, "8GiB")
+    tiled = concrete(plan.chosen["tile"], plan)
+    assert (tiled.levels, tiled.layer1, tiled.stream, tiled.rows) == (4, layer1, True, rows)
 
 
 @pytest.mark.parametrize("size, budget, streams", [(8192, 8, False), (16384, 8, True)])
@@ -250,6 +275,9 @@ def test_holding_the_last_boundary_plans_as_without_it():
     (SET.replace("auto", "auto:levels=3"), "4GiB", 4188, "drop levels=3"),
     (SET.replace("auto", "auto:graphs=true"), "4GiB", 4188, "drop graphs=true"),
     (SET, "1.5GiB", 16384, "tile:auto finds no plan"),
+    (SET.replace("auto", "auto:plans=3"), "4GiB", 4188, "tile:plans=3 is not a plan set; "
+                                                          "give one of 1, 2"),
+    (SET.replace("auto", "4:plans=2"), "4GiB", 4188, "tile:plans=2 without tile:auto"),
     (SET.replace("checkpoint", "checkpoint:selective"), "4GiB", 4188,
      "checkpoint:selective keeps more on the device"),
     (SET.replace("prefetch=1", "prefetch=2:hold=2"), "4GiB", 4188,
@@ -295,7 +323,7 @@ def test_memstudy_run_says_what_auto_picked():
     rec = RunRecord(config={"train": {"image_size": 16384, "batch_size": 1}, "world_size": 1},
                     config_hash="h", name="tile:auto", status="ok",
                     env={"device": "cuda:0", "notes": notes}, started_at=0.0)
-    assert (f"\ntile:auto picked levels4-stream: levels=4, {chosen.rows}-row strips, "
+    assert (f"\ntile:auto picked levels4-stream-blocks: levels=4, {chosen.rows}-row strips, "
             "stream=True (predicted peak") in summarize(rec)
 
 

@@ -225,6 +225,6 @@ def test_a_16384_px_step_trains_under_an_8_gib_cap_with_tile_auto(tmp_path):
     assert status == "ok"
     assert nvml <= parse_bytes("8GiB")
     picked = json.loads(env)["notes"]["tile"]["auto"]
-    assert picked["plan"] == "levels4-stream"
+    assert picked["plan"] == "levels4-stream-blocks"
     print(f"16384 px, tile:auto under 8 GiB: status {status}, NVML peak {nvml / 2**20:.0f} MiB, "
           f"picked {picked}")  # the log's record (gpu.sh tile-auto-large shows it: -rP)

@@ -35,6 +35,9 @@ QUANTIZATION_BACKENDS = ("x86", "fbgemm", "qnnpack")
 DEFAULT_TILES = 4
 AUTO = "auto"  # tile:auto (memstudy/tiling/auto.py)
 AUTO_PICKS = ("levels", "keep", "layer1", "rows", "stream")
+# tile:plans, the plan sets tile:auto picks among (memstudy/tiling/auto.py, PLAN_SETS), the
+# latest last: the default with auto
+AUTO_PLAN_SETS = (1, 2)
 PLACEMENTS = ("block", "sqrt", "selective", "modules")
 COMPRESS_WHICH = ("all", "boundaries")
 COMPRESS_GROUPINGS = ("channel", "memory")
@@ -169,6 +172,12 @@ class TileOptions:
                 "whole (one region: layer1 inside the stem's), blocks (a region per residual "
                 "block, its input kept) or convs (also its first convolution's output kept: "
                 "fewest sweeps)"})
+    plans: int | None = field(default=None, metadata={
+        "hash_neutral": True, "recorded_as": AUTO_PLAN_SETS[0],  # what auto picked among before
+        "help": "auto only: the plans it picks among (memstudy/tiling/auto.py, PLAN_SETS): "
+                f"{AUTO_PLAN_SETS[-1]} (the default) streams with layer1 and layer2 cut at their "
+                "blocks, 1 at their convolutions, as runs recorded before 2026-11-29 did "
+                "(on an H200, 16384 px under 8 GiB: 5.7 s a step against 6.7 s)"})
 
     def __post_init__(self) -> None:  # whatever the run: refused before torch loads
         if self.ahead is None:  # the default: a tile ahead wherever boundaries may stream
@@ -177,6 +186,7 @@ class TileOptions:
             raise ConfigError("tile:ahead=true without tile:stream=true: ahead says how streamed "
                               "boundaries are copied, and nothing is streamed; drop ahead=true "
                               "or add stream=true")
+        self._resolve_plans()
         if self.tiles == AUTO:
             self._check_auto()
             return
@@ -193,6 +203,18 @@ class TileOptions:
                               f"{unit}x-down-sampled grid at levels={self.levels})")
         if self.graph_limit < 1:
             raise ConfigError(f"tile:graph_limit={self.graph_limit} must be >= 1")
+
+    def _resolve_plans(self) -> None:
+        """tile:plans: by default the latest set with auto, else the first (the value that
+        leaves it out of the canonical form); another only with auto."""
+        if self.plans is None:
+            self.plans = AUTO_PLAN_SETS[-1] if self.tiles == AUTO else AUTO_PLAN_SETS[0]
+        if self.plans not in AUTO_PLAN_SETS:
+            raise ConfigError(f"tile:plans={self.plans} is not a plan set; give one of "
+                              f"{', '.join(map(str, AUTO_PLAN_SETS))}")
+        if self.plans != AUTO_PLAN_SETS[0] and self.tiles != AUTO:
+            raise ConfigError(f"tile:plans={self.plans} without tile:auto: plans says which "
+                              "plans auto picks among; drop plans or use tile:auto")
 
     def _check_auto(self) -> None:
         """tile:auto picks levels, keep, layer1, rows and stream itself: none may be given."""

@@ -44,6 +44,8 @@ Options (`tile:4`, `tile:rows=512`, `tile:4:levels=1`, `tile:16:keep=conv1`, `ti
 - `layer1` (levels=3): `whole` (layer1 inside the stem's region, whose 7 BatchNorms cost 8
   sweeps each way over it), `blocks` (one region per BasicBlock, its input kept at 1/4 res:
   3 sweeps each) or `convs` (also each block's first convolution output: 1 + 2 sweeps);
+- `plans` (auto only): which plans auto picks among: 2 (the default: streamed with the
+  residual stages cut at their blocks) or 1 (at their convolutions, as before 2026-11-29);
 - `norm`: the tiled BatchNorms' kernels on CUDA: `triton` (memstudy/tiling/norm_act.py: one
   pass each for a strip's moments, its normalisation + ReLU and their backward), `torch`
   (PyTorch's SyncBatchNorm primitives, five passes for the last two), `auto` (triton on CUDA).
@@ -93,7 +95,7 @@ def concrete(opts: Options, plan: Plan) -> Options:
         return opts
     return replace(opts, tiles=0, rows=(chosen := auto_pick(plan)).rows, levels=chosen.levels,
                    keep=chosen.keep, layer1=chosen.layer1, stream=chosen.stream,
-                   ahead=opts.ahead and chosen.stream)
+                   ahead=opts.ahead and chosen.stream, plans=None)
 
 
 def auto_pick(plan: Plan):
@@ -124,7 +126,7 @@ def auto_pick(plan: Plan):
     height, width = (-(-side // STRIDE) * STRIDE for side in hw)
     return auto.pick(height, width, train.batch_size, plan.budget_bytes, plan.config.model,
                      train.task, plan.has("amp"), not plan.has("offload_optim"),
-                     plan.chosen["tile"].ahead)
+                     plan.chosen["tile"].ahead, plan.chosen["tile"].plans)
 
 
 def keeps_more_than_measured(checkpoint, offload) -> str:

@@ -1,9 +1,11 @@
 """tile:auto: tile's levels, strips and streaming picked from the budget and the image.
 
-A plan is one of three measured ways to tile (PLANS, fastest first): levels=2 with every
-decoder convolution kept, levels=3 and levels=4 with layer1 cut at its convolutions, levels=4
-with its boundaries in host memory (`stream`). Its strips are the tallest that fit: fewer
-strips are fewer halo rows recomputed and fewer launches.
+A plan is one of three measured ways to tile (a set of PLANS, PLAN_SETS[tile:plans], fastest
+first): levels=2 with every decoder convolution kept, levels=3 with layer1 cut at its
+convolutions, levels=4 with its boundaries in host memory (`stream`) and layer1 and layer2 cut
+at their blocks (plan set 2, the default) or convolutions (set 1, what runs recorded before
+2026-11-29 picked among). Its strips are the tallest that fit: fewer strips are fewer halo rows
+recomputed and fewer launches.
 
 What fits is predicted by a model of the training step's device peak (its backward's: the
 loss and validation size their blocks from the memory left, memstudy/quality.py):
@@ -21,7 +23,8 @@ because its copies run a tile ahead (the next tile's strips, the previous one's 
 being written back), counted from the regions' host inputs (TiledForward.fetched_ahead_bytes),
 not fitted. The constants c, ku,
 kw are fitted per plan, by least squares, to the allocator peaks measured on an H200
-(CALIBRATION: 2048 and 4096 px, 256 and 1024 rows, benchmarks/results/h200/auto-calibration/);
+(CALIBRATION: 2048 and 4096 px, 256 and 1024 rows, benchmarks/results/h200/auto-calibration/
+and auto-calibration-layer1/);
 they predict the streamed 8192-16384 px steps 5-15% above what they measured, on the safe
 side, and the peaks of ResNet-18 and ResNet-50 U-Nets under tile:auto within 2% and 17-27%
 above (benchmarks/results/h200/networks-auto/; both in tests/test_tile_auto.py). The allowance
@@ -36,16 +39,27 @@ from functools import lru_cache
 from memstudy.byte_sizes import size_text
 from memstudy.errors import ConfigError
 from memstudy.models.unet import STRIDE
+from memstudy.techniques.options import AUTO_PLAN_SETS
 from memstudy.tiling.levels import min_tile_rows
 
 MIB = 1 << 20
-# name -> (levels, keep, layer1, stream): the plans, fastest first (measured at 4096 px, 1024
-# rows, H200: 0.242 / 0.361 / 0.727 s a step, results/h200/auto-calibration/size-4096/)
+# name -> (levels, keep, layer1, stream): the plans, each set's fastest first (measured at 4096
+# px, 1024 rows, H200: 0.242 / 0.361 / 0.727 s a step, results/h200/auto-calibration/size-4096/)
 PLANS = {
     "levels2": (2, "all", "whole", False),
     "levels3": (3, "conv1", "convs", False),
     "levels4-stream": (4, "conv1", "convs", True),
+    "levels4-stream-blocks": (4, "conv1", "blocks", True),
 }
+# tile:plans -> the plans tile:auto picks among, fastest first. 2 streams with the tiled
+# residual stages cut at their blocks, not their convolutions: fewer kept outputs to copy out
+# and back, and on an H200 at 16384 px under 8 GiB, 752-row strips, 5.718 s a step against
+# 6.722 s in the same run (results/h200/stream-layer1-16384/); 1 is what runs recorded before
+# 2026-11-29 picked among
+PLAN_SETS = dict(zip(AUTO_PLAN_SETS, (
+    ("levels2", "levels3", "levels4-stream"),
+    ("levels2", "levels3", "levels4-stream-blocks"),
+), strict=True))
 # (plan, side px, rows, the backward's absolute allocator peak in MiB): resnet34 U-Net,
 # amp:bf16, checkpoint, offload:which=boundaries, batch 1, unconstrained, Adam on the device;
 # NVIDIA H200, 2026-11-28, benchmarks/results/h200/auto-calibration/size-*/native.sqlite
@@ -56,6 +70,10 @@ CALIBRATION = [
     ("levels3", 4096, 256, 1353.6), ("levels3", 4096, 1024, 2071.2),
     ("levels4-stream", 2048, 256, 457.6), ("levels4-stream", 2048, 1024, 824.0),
     ("levels4-stream", 4096, 256, 741.6), ("levels4-stream", 4096, 1024, 1416.4),
+    # the same, copies on the compute stream (ahead=false), 2026-11-29,
+    # benchmarks/results/h200/auto-calibration-layer1/size-*/native.sqlite
+    ("levels4-stream-blocks", 2048, 256, 465.6), ("levels4-stream-blocks", 2048, 1024, 824.0),
+    ("levels4-stream-blocks", 4096, 256, 741.6), ("levels4-stream-blocks", 4096, 1024, 1416.4),
 ]
 CALIBRATION_NETWORK = ("resnet34", 16)  # encoder, state bytes per parameter (Adam on device)
 # the largest measured there (stream-4188-2gib/native.sqlite: 1352 MiB) less the 616 MiB NVML
@@ -92,24 +110,27 @@ class Pick:
 
 
 def pick(height: int, width: int, batch: int, budget: int, network, task: str,
-         amp: bool, optim_on_device: bool, ahead: bool) -> Pick:
-    """The fastest plan, with its tallest strips, whose predicted peak fits `budget` (bytes,
-    CUDA context included) for a padded height x width; ConfigError when none does. `ahead`:
-    a streamed plan's copies run a tile ahead (tile:ahead, true by default)."""
+         amp: bool, optim_on_device: bool, ahead: bool,
+         plans: int = AUTO_PLAN_SETS[-1]) -> Pick:
+    """The fastest plan of the set `plans` (tile:plans), with its tallest strips, whose
+    predicted peak fits `budget` (bytes, CUDA context included) for a padded height x width;
+    ConfigError when none does. `ahead`: a streamed plan's copies run a tile ahead (tile:ahead,
+    true by default)."""
     key = (network.encoder, tuple(network.decoder_channels), network.in_channels,
            network.classes, task)  # a hashable ModelConfig: the picks are cached
-    return _pick(height, width, batch, budget, key, amp, optim_on_device, ahead)
+    return _pick(height, width, batch, budget, key, amp, optim_on_device, ahead, plans)
 
 
 @lru_cache(maxsize=16)
-def _pick(height, width, batch, budget, key, amp, optim_on_device, ahead) -> Pick:
+def _pick(height, width, batch, budget, key, amp, optim_on_device, ahead, plans) -> Pick:
     available = int((budget - CONTEXT_AFTER_WARMUP) * MARGIN)
     shapes = _Shapes.of(key)
     encoder = key[0]
     element = 2 if amp else 4
     state = shapes.parameters * (16 if optim_on_device else 8)
-    last = list(PLANS)[-1]
-    for name, (levels, keep, layer1, stream) in PLANS.items():
+    last = PLAN_SETS[plans][-1]
+    for name in PLAN_SETS[plans]:
+        levels, keep, layer1, stream = PLANS[name]
         halo = min_tile_rows(levels, keep, layer1, encoder)
         floor = max(2 * halo, 2 ** levels) if name == last else min(MIN_ROWS, height)
         early = _fetched_ahead_row_bytes(key, levels, keep, layer1, element) \
