@@ -103,12 +103,14 @@ def assert_exact(tiled: dict, plain: dict, tol: float) -> None:
     # every block of layer1 and layer2 cut at its input and first convolution, uneven strips of
     # 5 coarse rows and the last of 1, host boundaries
     (256, 96, {"levels": 4, "rows": 80, "layer1": "convs", "stream": True}, 1),
+    # tile:auto's streamed plan (plan set 2): cut at the blocks, the conv1 outputs kept
+    (256, 96, {"levels": 4, "rows": 80, "keep": "conv1", "layer1": "blocks", "stream": True}, 1),
 ], ids=["levels2-3tiles", "levels2-rows80-odd-size-batch2", "levels1-5tiles",
         "levels2-keep-conv1", "levels3-3tiles", "levels3-rows64-keep-conv1", "levels2-keep-all",
         "levels2-keep-bn", "levels2-keep-half-batch2", "levels3-keep-bn-batch2",
         "levels3-layer1-blocks-batch2",
         "levels3-layer1-convs-5tiles-stream", "levels4-3tiles-batch2",
-        "levels4-layer1-convs-rows80-stream"])
+        "levels4-layer1-convs-rows80-stream", "levels4-layer1-blocks-rows80-stream"])
 def test_tiled_step_equals_untiled_float64(height, width, tiling, batch):
     plain = untiled_step(height, width, torch.float64, batch)
     assert_exact(train_step(height, width, torch.float64, tiling, batch), plain,
@@ -137,11 +139,13 @@ def test_tiled_step_equals_untiled_float64_every_encoder(encoder):
 def test_tiled_step_equals_untiled_float64_levels4_bottlenecks(encoder):
     """levels=4 walks layer2, whose block 0 strides in its 3x3 convolution (a Bottleneck's
     second, grouped in ResNeXt) and in its projection: rectangular, batch 2, 8 coarse rows in
-    3 strips."""
+    3 strips; the stages cut at each block's first convolution and at the blocks (tile:auto's
+    streamed plans)."""
     plain = train_step(128, 64, torch.float64, None, 2, encoder)
-    tiling = {"levels": 4, "tiles": 3, "keep": "conv1", "layer1": "convs"}
-    assert_exact(train_step(128, 64, torch.float64, tiling, 2, encoder), plain,
-                 TOL[torch.float64])
+    for layer1 in ("convs", "blocks"):
+        tiling = {"levels": 4, "tiles": 3, "keep": "conv1", "layer1": layer1}
+        assert_exact(train_step(128, 64, torch.float64, tiling, 2, encoder), plain,
+                     TOL[torch.float64])
 
 
 def test_tiled_segmentation_step_equals_untiled_float64():
