@@ -2,8 +2,8 @@
 target image size: the bytes its copies carry each way, against which a streamed step's time
 can be read (at the link's rate, how long the copies alone take).
 
-    python benchmarks/bench_stream_traffic.py --height 16384 --width 16384 --rows 752 \
-        --variants conv1:convs:864,conv1:blocks:752,conv1:whole:752
+    python benchmarks/bench_stream_traffic.py --height 16384 --width 16384 --rows 784 \
+        --variants conv1:convs:752,conv1:blocks:752,conv1:whole:784
 
 The step runs on the CPU at the target's height and a narrow proxy width (default 64 px):
 strips are full-width, so every strip, halo and sweep is the target's, and every tensor the
@@ -41,9 +41,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--height", type=int, default=16384, help="target image height, px")
     p.add_argument("--width", type=int, default=16384, help="target image width, px")
     p.add_argument("--proxy-width", type=int, default=64, help="the width the CPU step runs at")
-    p.add_argument("--rows", type=int, default=752, help="strip rows at full resolution")
+    p.add_argument("--rows", type=int, default=784, help="strip rows at full resolution "
+                   "(tile:auto's at 16384 px under 8 GiB)")
     p.add_argument("--levels", type=int, default=4)
-    p.add_argument("--layer1", default="convs")
+    p.add_argument("--layer1", default="blocks")  # tile:auto's streamed plan
     p.add_argument("--keep", default="conv1")
     p.add_argument("--variants", default="", help="more plans to total beside it, comma-"
                    "separated keep:layer1:rows (e.g. conv1:blocks:752)")

@@ -65,7 +65,8 @@ def test_stream_step_equals_the_device_step_and_holds_less():
     assert streamed[3] < plain[3]
 
 
-def test_copies_a_tile_ahead_change_no_value():
+@pytest.mark.parametrize("layer1", ["convs", "blocks"])  # tile:auto's plan sets 1 and 2
+def test_copies_a_tile_ahead_change_no_value(layer1):
     """tile:ahead moves the streamed copies to a side stream and starts them a tile early; the
     kernels and their order are the same, so the float64 step is the one with the copies on
     the compute stream to 1e-12 relative (cuDNN's backward may sum in another order from run to
@@ -73,7 +74,7 @@ def test_copies_a_tile_ahead_change_no_value():
     def step(ahead: bool):
         torch.manual_seed(0)
         model = build_unet(seed=0).to("cuda", torch.float64).train()
-        model.forward_padded = TiledForward(model, levels=4, tiles=4, layer1="convs",
+        model.forward_padded = TiledForward(model, levels=4, tiles=4, layer1=layer1,
                                             kernels="torch", stream=True, ahead=ahead)
         g = torch.Generator().manual_seed(3)
         x = torch.rand(1, 1, 1024, 768, generator=g, dtype=torch.float64).cuda()
@@ -171,16 +172,18 @@ def test_validation_figures_of_a_host_target_equal_the_device_targets():
         assert abs(on_host[name] - value) <= 1e-6 * max(1.0, abs(value)), name
 
 
-def test_levels4_stream_step_equals_the_untiled_step_in_float64():
+@pytest.mark.parametrize("layer1, ahead", [("convs", False), ("blocks", True)])
+def test_levels4_stream_step_equals_the_untiled_step_in_float64(layer1, ahead):
     """levels=4 with stream (layer2 and decoder block 1 tiled, boundaries on the host) against
     the plain untiled network on the GPU: float64, relative 1e-10 for the output, the input's
-    gradient and every parameter's gradient."""
+    gradient and every parameter's gradient; cut at the convolutions with the copies on the
+    compute stream, and as tile:auto streams: at the blocks, copies a tile ahead."""
     def step(tiled: bool):
         torch.manual_seed(0)
         model = build_unet(seed=0).to("cuda", torch.float64).train()
         if tiled:
-            model.forward_padded = TiledForward(model, levels=4, tiles=3, layer1="convs",
-                                                kernels="torch", stream=True)
+            model.forward_padded = TiledForward(model, levels=4, tiles=3, layer1=layer1,
+                                                kernels="torch", stream=True, ahead=ahead)
         g = torch.Generator().manual_seed(2)
         x = torch.rand(1, 1, 768, 512, generator=g, dtype=torch.float64).cuda()
         y = torch.rand(1, 1, 768, 512, generator=g, dtype=torch.float64).cuda()
