@@ -51,7 +51,8 @@ def test_the_rows_read_back_to_be_added_to_are_gradient_reads_each_written_back(
 
 def test_the_page_scales_the_proxy_by_the_width_and_lists_each_plan():
     narrow = bench.parse_args(["--height", "256", "--width", "512", "--proxy-width", "64",
-                               "--rows", "64", "--variants", "conv1:blocks:64"])
+                               "--rows", "64", "--layer1", "convs", "--variants",
+                               "conv1:blocks:64"])
     text = bench.page(narrow)
     assert "| conv1 | convs | 64 |" in text and "| conv1 | blocks | 64 |" in text
     wide = bench.by_region(narrow, bench.traffic(narrow, "conv1", "convs", 64))
