@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from memstudy.errors import ConfigError
 from memstudy.techniques.base import Declared, Stage
 from memstudy.tiling.chain import LAYER1
-from memstudy.tiling.levels import check_keep, check_layer1, check_levels
+from memstudy.tiling.levels import AUTO_PLAN_SETS, check_keep, check_layer1, check_levels
 
 KERNEL_IMPLS = ("auto", "triton", "torch")  # memstudy.kernels.IMPLS
 GROUP_BACKENDS = ("auto", "nccl", "gloo")  # memstudy.distributed.context.BACKENDS
@@ -35,9 +35,6 @@ QUANTIZATION_BACKENDS = ("x86", "fbgemm", "qnnpack")
 DEFAULT_TILES = 4
 AUTO = "auto"  # tile:auto (memstudy/tiling/auto.py)
 AUTO_PICKS = ("levels", "keep", "layer1", "rows", "stream")
-# tile:plans, the plan sets tile:auto picks among (memstudy/tiling/auto.py, PLAN_SETS), the
-# latest last: the default with auto
-AUTO_PLAN_SETS = (1, 2)
 PLACEMENTS = ("block", "sqrt", "selective", "modules")
 COMPRESS_WHICH = ("all", "boundaries")
 COMPRESS_GROUPINGS = ("channel", "memory")

@@ -39,8 +39,7 @@ from functools import lru_cache
 from memstudy.byte_sizes import size_text
 from memstudy.errors import ConfigError
 from memstudy.models.unet import STRIDE
-from memstudy.techniques.options import AUTO_PLAN_SETS
-from memstudy.tiling.levels import min_tile_rows
+from memstudy.tiling.levels import AUTO_PLAN_SETS, min_tile_rows
 
 MIB = 1 << 20
 # name -> (levels, keep, layer1, stream): the plans, each set's fastest first (measured at 4096

@@ -18,6 +18,9 @@ LEVELS = (1, 2, 3, 4)  # tiled levels implemented
 # every BatchNorm's input (the stem's convolution output and both of each block's convolutions);
 # or every one but the full-resolution block's second convolution output (chain._cuts)
 KEEP = ("none", "conv1", "all", "half", "bn")
+# tile:plans, the plan sets tile:auto picks among (memstudy/tiling/auto.py, PLAN_SETS), the
+# latest last: the default with auto
+AUTO_PLAN_SETS = (1, 2)
 VALIDATION_LEVELS = 3  # what the tiled validation forward tiles (1/4 res included: 8192 px)
 STREAM_VALIDATION_LEVELS = 4  # ... of a batch in host memory (tile:stream: 16384 px)
 NETWORK_LEVELS = 6  # full resolution and the five down-sampled grids (1/2 .. 1/32)
