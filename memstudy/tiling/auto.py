@@ -26,7 +26,7 @@ kw are fitted per plan, by least squares, to the allocator peaks measured on an 
 (CALIBRATION: 2048 and 4096 px, 256 and 1024 rows, benchmarks/results/h200/auto-calibration/
 and auto-calibration-layer1/);
 they predict the streamed 8192-16384 px steps 5-15% above what they measured, on the safe
-side, and the peaks of ResNet-18 and ResNet-50 U-Nets under tile:auto within 2% and 17-27%
+side, tile:auto's own runs at 4188-16384 px 0.4-17% above their backward peaks, and the peaks of ResNet-18 and ResNet-50 U-Nets under tile:auto within 2% and 17-27%
 above (benchmarks/results/h200/networks-auto/; both in tests/test_tile_auto.py). The allowance
 for the CUDA context is its size after warm-up on that H200; the run records the context it
 actually measured (docs/budget.md), and a GPU with a larger one leaves less: hence the MARGIN.
