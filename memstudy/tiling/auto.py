@@ -26,8 +26,10 @@ kw are fitted per plan, by least squares, to the allocator peaks measured on an 
 (CALIBRATION: 2048 and 4096 px, 256 and 1024 rows, benchmarks/results/h200/auto-calibration/
 and auto-calibration-layer1/);
 they predict the streamed 8192-16384 px steps 5-15% above what they measured, on the safe
-side, tile:auto's own runs at 4188-16384 px 0.4-17% above their backward peaks, and the peaks of ResNet-18 and ResNet-50 U-Nets under tile:auto within 2% and 17-27%
-above (benchmarks/results/h200/networks-auto/; both in tests/test_tile_auto.py). The allowance
+side, tile:auto's own runs at 4188-16384 px 0.4-17% above their backward peaks
+(benchmarks/results/h200/auto-blocks/), and the peaks of ResNet-18 and ResNet-50 U-Nets under
+tile:auto within 2% and 17-27% above (benchmarks/results/h200/networks-auto/; all in
+tests/test_tile_auto.py). The allowance
 for the CUDA context is its size after warm-up on that H200; the run records the context it
 actually measured (docs/budget.md), and a GPU with a larger one leaves less: hence the MARGIN.
 """
@@ -43,7 +45,8 @@ from memstudy.tiling.levels import AUTO_PLAN_SETS, min_tile_rows
 
 MIB = 1 << 20
 # name -> (levels, keep, layer1, stream): the plans, each set's fastest first (measured at 4096
-# px, 1024 rows, H200: 0.242 / 0.361 / 0.727 s a step, results/h200/auto-calibration/size-4096/)
+# px, 1024 rows, H200: 0.242 / 0.361 / 0.727 s a step, results/h200/auto-calibration/size-4096/;
+# levels4-stream-blocks 0.676 s, auto-calibration-layer1/size-4096/)
 PLANS = {
     "levels2": (2, "all", "whole", False),
     "levels3": (3, "conv1", "convs", False),
@@ -109,8 +112,7 @@ class Pick:
 
 
 def pick(height: int, width: int, batch: int, budget: int, network, task: str,
-         amp: bool, optim_on_device: bool, ahead: bool,
-         plans: int = AUTO_PLAN_SETS[-1]) -> Pick:
+         amp: bool, optim_on_device: bool, ahead: bool, plans: int) -> Pick:
     """The fastest plan of the set `plans` (tile:plans), with its tallest strips, whose
     predicted peak fits `budget` (bytes, CUDA context included) for a padded height x width;
     ConfigError when none does. `ahead`: a streamed plan's copies run a tile ahead (tile:ahead,
