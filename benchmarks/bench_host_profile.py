@@ -145,22 +145,32 @@ def _gpu_timeline():
         yield lambda: _intervals(prof.events())
 
 
-def _intervals(events) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    kernels, copies = [], []
+def _intervals(events) -> tuple[list[tuple[float, float]], dict[str, list[tuple[float, float]]]]:
+    """Kernel intervals, and copy intervals by direction ("HtoD", "DtoH", the rest "other")."""
+    kernels, copies = [], {"HtoD": [], "DtoH": [], "other": []}
     for event in events:
         if on_gpu(event):
             span = (event.time_range.start, event.time_range.end)
-            (copies if event.name.startswith(("Memcpy", "Memset")) else kernels).append(span)
+            if not event.name.startswith(("Memcpy", "Memset")):
+                kernels.append(span)
+                continue
+            way = next((w for w in ("HtoD", "DtoH") if w in event.name), "other")
+            copies[way].append(span)
     return kernels, copies
 
 
-def gpu_figures(kernels: list[tuple[float, float]], copies: list[tuple[float, float]],
-                wall_ms: float) -> dict[str, float]:
+def gpu_figures(kernels: list[tuple[float, float]],
+                copies: dict[str, list[tuple[float, float]]], wall_ms: float) -> dict[str, float]:
     """One step's GPU timeline: busy (kernels and copies, overlap counted once), the copies no
-    kernel overlaps, and the step's wall time the GPU did neither (waiting on the host)."""
-    busy, kernel_busy = busy_ms(kernels + copies), busy_ms(kernels)
+    kernel overlaps, the step's wall time the GPU did neither (waiting on the host), and how
+    long kernels ran and copies to the device and to the host ran (each direction's copies
+    overlapping one another counted once): a step whose copies one way run nearly all of it
+    is bound by the link."""
+    every_copy = [span for spans in copies.values() for span in spans]
+    busy, kernel_busy = busy_ms(kernels + every_copy), busy_ms(kernels)
     return {"busy_ms": busy, "copies_alone_ms": busy - kernel_busy,
-            "idle_ms": max(0.0, wall_ms - busy)}
+            "idle_ms": max(0.0, wall_ms - busy), "kernels_ms": kernel_busy,
+            "to_device_ms": busy_ms(copies["HtoD"]), "to_host_ms": busy_ms(copies["DtoH"])}
 
 
 def _where(key: tuple) -> str:
@@ -226,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
 def heading(args: argparse.Namespace, profiler: StepProfiler) -> list[str]:
     steps = profiler.timed
     how = ("under cProfile (its own cost included; read the shares); every thread's Python "
-           "counted" if profiler.profile is not None else "without a profiler")
+           "counted" if profiler.profile is not None else "without Python's profiler")
+    if profiler.timeline:
+        how += ("; each under torch.profiler's CUDA activity, which reads the GPU's timeline "
+                "(and slows the host a little)")
     return [f"# Host time of {args.size} px, `{args.techniques}`"
             + (f" under {args.budget}" if args.budget else ""), "",
             f"{steps} steps timed after {args.skip}, on {_device_name(args.device)}, {how}"
@@ -237,8 +250,10 @@ def heading(args: argparse.Namespace, profiler: StepProfiler) -> list[str]:
 
 def steps_table(profiler: StepProfiler) -> list[str]:
     """Each timed step's wall time (device synchronised) and the collector's pauses in it;
-    with the GPU's timeline, its busy, copies-alone and idle time too."""
-    gpu_columns = ("GPU busy ms", "copies alone ms", "GPU idle ms") if profiler.gpu else ()
+    with the GPU's timeline, its busy, copies-alone and idle time and each kind's time too."""
+    keys = ("busy_ms", "copies_alone_ms", "idle_ms", "kernels_ms", "to_device_ms", "to_host_ms")
+    gpu_columns = ("GPU busy ms", "copies alone ms", "GPU idle ms", "kernels ms",
+                   "copying to the device ms", "copying to the host ms") if profiler.gpu else ()
     columns = ("step", "wall ms", *gpu_columns, "gc pauses ms", "collections (generation: count)")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for index, (wall, paused, runs) in enumerate(zip(profiler.walls_ms, profiler.gc_ms,
@@ -246,8 +261,7 @@ def steps_table(profiler: StepProfiler) -> list[str]:
         counts = ", ".join(f"{gen}: {n}" for gen, n in sorted(runs.items())) or "-"
         gpu = profiler.gpu[index] if profiler.gpu else {}
         cells = [f"{profiler.skip + index + 1}", f"{wall:.1f}",
-                 *(f"{gpu[key]:.1f}" for key in ("busy_ms", "copies_alone_ms", "idle_ms")
-                   if gpu), f"{paused:.1f}", counts]
+                 *(f"{gpu[key]:.1f}" for key in keys if gpu), f"{paused:.1f}", counts]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -4,11 +4,11 @@
 # packed into one archive, $OUT/results.tgz, after every step (so a run stopped from outside
 # keeps the steps it finished), the folder removed at the end.
 #
-#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-ahead] [tile-stream-layer1] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-2gib] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [host-profile] [host-steps] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
+#   benchmarks/gpu.sh [tests] [foundation] [techniques] [techniques-loss] [maxres] [maxres-compile] [triaccel] [kernels] [bnlag] [distributed] [overhead] [compile] [compile-4160] [allocator] [allocator-4160] [lowrank] [accumulate] [tune-triaccel] [triaccel-tuned] [native] [daso] [tile] [tile-4188] [tile-sweeps] [ladder] [tile-native] [tile-targets] [tile-stream] [tile-stream-ahead] [tile-stream-layer1] [tile-stream-2gib] [tile-auto-calibrate] [tile-auto] [tile-auto-2gib] [tile-auto-sizes] [tile-auto-large] [networks] [tile-selective] [tile-selective-strips] [tile-partial] [tile-strips-4gib] [tile-hold-4gib] [tile-hold-pairs] [host-profile] [host-steps] [stream-timeline] [link] [context] [validation-passes] [norm-kernels] [tile-norm] [tile-norm-8192] [compress] [compress-breakdown] [compress-4160] [compress-kernels] [compress-offload] [compress-quality] [loss] [paper] [paper-2gpu] [paper-2gpu-timing]
 #
 # A step may take a time limit in seconds ("maxres:240"); results are packed even when one runs out.
 # TESTS_K narrows the GPU tests (pytest -k), BNLAG_ARGS / DIST_ARGS / MAXRES_ARGS / MAXRESCOMPILE_ARGS / TRIACCEL_ARGS / ACCUMULATE_ARGS /
-# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS / HOSTPROFILE_ARGS / HOST_STEPS_ARGS / NETWORKS_ARGS / VALPASSES_ARGS / CONTEXT_ARGS / PAPER_ARGS / PAPER2_ARGS (e.g. "--sizes 2048")
+# OVERHEAD_ARGS / COMPILE_ARGS / COMPILE4160_ARGS / ALLOCATOR_ARGS / ALLOCATOR4160_ARGS / LOWRANK_ARGS / TILE_ARGS / TILE4188_ARGS / TILESWEEPS_ARGS / LADDER_ARGS / TILENATIVE_ARGS / COMPRESS_ARGS / COMPRESSBREAKDOWN_ARGS / COMPRESS4160_ARGS / COMPRESSOFFLOAD_ARGS / COMPRESSQUALITY_ARGS / LOSS_ARGS / HOSTPROFILE_ARGS / HOST_STEPS_ARGS / LINK_ARGS / NETWORKS_ARGS / VALPASSES_ARGS / CONTEXT_ARGS / PAPER_ARGS / PAPER2_ARGS (e.g. "--sizes 2048")
 # replace a benchmark's arguments.
 #
 # RESUME=folder   resume earlier results: its *.sqlite are copied into the results folder and
@@ -222,6 +222,13 @@ for item in $STEPS; do
             for timeline in "" --gpu-timeline; do
                 $PY benchmarks/bench_host_profile.py --out "$RES/host-steps-4188-4gib${timeline:+-timeline}" --size 4188 --budget 4GiB -t "$set" --steps 14 --skip 3 --no-profile $timeline ${HOST_STEPS_ARGS:-} 2>&1 | tee -a "$RES/host-steps.log"
             done ;;
+        # tile:auto under 8 GiB at TIMELINE_SIZE (default 16384) px, two steps timed on their own
+        # with the GPU's timeline, no validation: kernels, copies each way, idle (link-bound?)
+        stream-timeline) size=${TIMELINE_SIZE:-16384}
+            set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)") || exit 1
+            $PY benchmarks/bench_host_profile.py --out "$RES/timeline-$size-8gib" --size "$size" --budget 8GiB -t "$set" --steps 5 --skip 3 --no-profile --gpu-timeline --set train.validate=false 2>&1 | tee -a "$RES/stream-timeline.log" ;;
+        # the host-device link: pinned copies each way alone and both at once
+        link) $PY benchmarks/bench_link.py --out "$RES/link" ${LINK_ARGS:-} 2>&1 | tee "$RES/link.log" ;;
         # what the CUDA context holds after each first use, and under which settings it shrinks
         context) $PY benchmarks/bench_context.py --out "$RES/context" ${CONTEXT_ARGS:-} 2>&1 | tee "$RES/context.log" ;;
         # the tiled validation forward three times per process: what its first pass pays once
