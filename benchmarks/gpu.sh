@@ -223,10 +223,13 @@ for item in $STEPS; do
                 $PY benchmarks/bench_host_profile.py --out "$RES/host-steps-4188-4gib${timeline:+-timeline}" --size 4188 --budget 4GiB -t "$set" --steps 14 --skip 3 --no-profile $timeline ${HOST_STEPS_ARGS:-} 2>&1 | tee -a "$RES/host-steps.log"
             done ;;
         # tile:auto under 8 GiB at TIMELINE_SIZE (default 16384) px, two steps timed on their own
-        # with the GPU's timeline, no validation: kernels, copies each way, idle (link-bound?)
-        stream-timeline) size=${TIMELINE_SIZE:-16384}
-            set=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)") || exit 1
-            $PY benchmarks/bench_host_profile.py --out "$RES/timeline-$size-8gib" --size "$size" --budget 8GiB -t "$set" --steps 5 --skip 3 --no-profile --gpu-timeline --set train.validate=false 2>&1 | tee -a "$RES/stream-timeline.log" ;;
+        # with the GPU's timeline, no validation: kernels, copies each way, idle (link-bound?);
+        # TIMELINE_ARGS replaces "--no-profile --gpu-timeline" (e.g. "--gpu-timeline": Python's
+        # profiler too), TIMELINE_SUFFIX is appended to the folder's name, TIMELINE_TECHNIQUES
+        # replaces the set (default bench_ladder.AUTO_SET), TIMELINE_BUDGET the budget
+        stream-timeline) size=${TIMELINE_SIZE:-16384}; budget=${TIMELINE_BUDGET:-8GiB}
+            set=${TIMELINE_TECHNIQUES:-$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ladder as b; print(b.AUTO_SET)")} || exit 1
+            $PY benchmarks/bench_host_profile.py --out "$RES/timeline-$size-$(echo "$budget" | tr 'A-Z' 'a-z')${TIMELINE_SUFFIX:-}" --size "$size" --budget "$budget" -t "$set" --steps 5 --skip 3 --set train.validate=false ${TIMELINE_ARGS:---no-profile --gpu-timeline} 2>&1 | tee -a "$RES/stream-timeline.log" ;;
         # the host-device link: pinned copies each way alone and both at once
         link) $PY benchmarks/bench_link.py --out "$RES/link" ${LINK_ARGS:-} 2>&1 | tee "$RES/link.log" ;;
         # what the CUDA context holds after each first use, and under which settings it shrinks
