@@ -248,20 +248,25 @@ def heading(args: argparse.Namespace, profiler: StepProfiler) -> list[str]:
             f"pauses {sum(profiler.gc_ms) / steps:.1f} ms.", ""]
 
 
+# gpu_figures' keys -> the steps table's columns, in the table's order
+GPU_COLUMNS = {"busy_ms": "GPU busy ms", "copies_alone_ms": "copies alone ms",
+               "idle_ms": "GPU idle ms", "kernels_ms": "kernels ms",
+               "to_device_ms": "copying to the device ms", "to_host_ms": "copying to the host ms"}
+
+
 def steps_table(profiler: StepProfiler) -> list[str]:
     """Each timed step's wall time (device synchronised) and the collector's pauses in it;
     with the GPU's timeline, its busy, copies-alone and idle time and each kind's time too."""
-    keys = ("busy_ms", "copies_alone_ms", "idle_ms", "kernels_ms", "to_device_ms", "to_host_ms")
-    gpu_columns = ("GPU busy ms", "copies alone ms", "GPU idle ms", "kernels ms",
-                   "copying to the device ms", "copying to the host ms") if profiler.gpu else ()
-    columns = ("step", "wall ms", *gpu_columns, "gc pauses ms", "collections (generation: count)")
+    gpu_columns = GPU_COLUMNS if profiler.gpu else {}
+    columns = ("step", "wall ms", *gpu_columns.values(), "gc pauses ms",
+               "collections (generation: count)")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for index, (wall, paused, runs) in enumerate(zip(profiler.walls_ms, profiler.gc_ms,
                                                        profiler.gc_runs)):
         counts = ", ".join(f"{gen}: {n}" for gen, n in sorted(runs.items())) or "-"
         gpu = profiler.gpu[index] if profiler.gpu else {}
         cells = [f"{profiler.skip + index + 1}", f"{wall:.1f}",
-                 *(f"{gpu[key]:.1f}" for key in keys if gpu), f"{paused:.1f}", counts]
+                 *(f"{gpu[key]:.1f}" for key in gpu_columns), f"{paused:.1f}", counts]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
